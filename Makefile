@@ -1,0 +1,25 @@
+# Two entry points, each setting itself up from nothing: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: setup demo test lint bench
+setup: $(STAMP)
+
+demo: $(STAMP)  ## the main job: every scheme on the real trace, n = 4..128
+	$(BIN)/zend simulate
+
+test: $(STAMP)  ## lint, type-check, then the whole test suite
+	$(BIN)/ruff check zend tests benchmarks scripts
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/partition_encode.py

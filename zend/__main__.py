@@ -1,0 +1,5 @@
+import sys
+
+from zend.cli import main
+
+sys.exit(main())

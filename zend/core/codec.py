@@ -1,0 +1,180 @@
+"""Wire encodings of one message: a set of units of one partition, or a dense chunk.
+
+Every message is one contiguous uint8 tensor: a 40-byte header, then the payload.
+- COO: the keys (int32, or int64 for domains of 2^31 units or more), then the values.
+- BITMAP: one bit per unit of the partition's domain, padded to 8 bytes, then the values in
+  key order. Total bitmap a worker receives in ZEN's pull is about one bit per row slice of
+  the tensor, independent of the number of partitions.
+- DENSE: values only.
+`encode_units` takes whichever allowed encoding is smaller, from exact byte counts. Decoding
+checks every length and range, so a malformed message raises CodecError, never corrupts.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"ZN"
+VERSION = 1
+_HEADER = struct.Struct("<2sBBBB2xI4xQQQ")  # magic, version, kind, dtype, index width, unit width, count, domain, aux
+HEADER_BYTES = _HEADER.size
+assert HEADER_BYTES == 40
+
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+class CodecError(ValueError):
+    """A message that does not decode: names the field and the value."""
+
+
+class Encoding(enum.IntEnum):
+    COO = 0
+    BITMAP = 1
+    DENSE = 2
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Encoding
+    dtype: torch.dtype
+    index_width: int
+    unit_width: int
+    count: int
+    domain: int
+    aux: int  # a small integer riding along (ZEN's pull carries the units its owner received)
+
+
+def _index_width(domain: int) -> int:
+    return 4 if domain <= 2**31 else 8
+
+
+def bitmap_bytes(domain: int) -> int:
+    return 8 * ((domain + 63) // 64)
+
+
+def encoded_size(kind: Encoding, count: int, unit_width: int, domain: int, dtype: torch.dtype) -> int:
+    value_bytes = count * unit_width * torch.finfo(dtype).bits // 8
+    if kind is Encoding.COO:
+        return HEADER_BYTES + count * _index_width(domain) + value_bytes
+    if kind is Encoding.BITMAP:
+        return HEADER_BYTES + bitmap_bytes(domain) + value_bytes
+    return HEADER_BYTES + value_bytes
+
+
+def cheapest(count: int, unit_width: int, domain: int, dtype: torch.dtype, allowed: tuple[Encoding, ...]) -> Encoding:
+    return min(allowed, key=lambda k: (encoded_size(k, count, unit_width, domain, dtype), k.value))
+
+
+def _pack(kind: Encoding, dtype: torch.dtype, index_width: int, unit_width: int, count: int, domain: int,
+          aux: int, sections: list[torch.Tensor], device: torch.device,
+          first_as: torch.dtype | None = None) -> torch.Tensor:
+    """One buffer, each section copied straight into its place; `first_as` narrows the first."""
+    header = _HEADER.pack(MAGIC, VERSION, kind, _DTYPE_CODES[dtype], index_width, unit_width, count, domain, aux)
+    types = [first_as or sections[0].dtype] + [s.dtype for s in sections[1:]]
+    sizes = [s.numel() * torch.empty(0, dtype=t).element_size() for s, t in zip(sections, types, strict=True)]
+    out = torch.empty(HEADER_BYTES + sum(sizes), dtype=torch.uint8, device=device)
+    out[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    at = HEADER_BYTES
+    for section, kind_of, size in zip(sections, types, sizes, strict=True):
+        out[at : at + size].view(kind_of).copy_(section.reshape(-1))
+        at += size
+    return out
+
+
+def encode_units(keys: torch.Tensor, values: torch.Tensor, domain: int,
+                 allowed: tuple[Encoding, ...] = (Encoding.COO, Encoding.BITMAP), aux: int = 0,
+                 keys_sorted: bool = False) -> torch.Tensor:
+    """Encode units `keys` (int64, unique, in [0, domain)) with `values` (count, unit_width)."""
+    count, width = values.shape[0], values.shape[1]
+    kind = cheapest(count, width, domain, values.dtype, allowed)
+    if kind is Encoding.COO:
+        index_dtype = torch.int32 if _index_width(domain) == 4 else torch.int64
+        return _pack(kind, values.dtype, _index_width(domain), width, count, domain, aux,
+                     [keys, values], values.device, index_dtype)
+    if not keys_sorted and count > 1 and not bool((keys[1:] > keys[:-1]).all()):
+        order = torch.argsort(keys)
+        keys, values = keys.index_select(0, order), values.index_select(0, order)
+    # O(count), not O(domain): keys are unique, so adding the bits of a byte is OR-ing them.
+    packed = torch.zeros(bitmap_bytes(domain), dtype=torch.uint8, device=keys.device)
+    bit_values = torch.bitwise_left_shift(torch.ones(count, dtype=torch.uint8, device=keys.device),
+                                          torch.bitwise_and(keys, 7).to(torch.uint8))
+    packed.index_put_((torch.bitwise_right_shift(keys, 3),), bit_values, accumulate=True)
+    return _pack(kind, values.dtype, 0, width, count, domain, aux, [packed, values], values.device)
+
+
+def encode_dense(values: torch.Tensor, aux: int = 0) -> torch.Tensor:
+    flat = values.reshape(-1)
+    return _pack(Encoding.DENSE, flat.dtype, 0, 1, flat.numel(), flat.numel(), aux, [flat], flat.device)
+
+
+def read_header(buf: torch.Tensor) -> Header:
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise CodecError(f"message must be a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
+    if buf.numel() < HEADER_BYTES:
+        raise CodecError(f"message of {buf.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")
+    raw = bytes(buf[:HEADER_BYTES].cpu().numpy())
+    magic, version, kind, dtype_code, index_width, unit_width, count, domain, aux = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise CodecError(f"codec version {version} not supported (this side speaks {VERSION})")
+    if kind not in Encoding._value2member_map_:
+        raise CodecError(f"unknown encoding {kind}")
+    if dtype_code not in _CODE_DTYPES:
+        raise CodecError(f"unknown dtype code {dtype_code}")
+    header = Header(Encoding(kind), _CODE_DTYPES[dtype_code], index_width, unit_width, count, domain, aux)
+    expected = encoded_size(header.kind, count, unit_width, domain, header.dtype)
+    if header.kind is Encoding.COO and index_width != _index_width(domain):
+        raise CodecError(f"index width {index_width} does not match domain {domain}")
+    if buf.numel() != expected:
+        raise CodecError(f"message is {buf.numel()} bytes, header promises {expected}")
+    if count > domain:
+        raise CodecError(f"count {count} exceeds domain {domain}")
+    return header
+
+
+def decode_units(buf: torch.Tensor, unit_width: int, domain: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, Header]:
+    """Decode a COO or BITMAP message into (keys int64, values (count, unit_width), header).
+
+    The caller states what it expects (unit width, domain, dtype); any difference raises.
+    Bitmap keys come back sorted.
+    """
+    h = read_header(buf)
+    if h.kind is Encoding.DENSE:
+        raise CodecError("expected a sparse message, got a dense one")
+    if (h.unit_width, h.domain, h.dtype) != (unit_width, domain, dtype):
+        raise CodecError(
+            f"message for units of width {h.unit_width}, domain {h.domain}, {h.dtype}; "
+            f"expected width {unit_width}, domain {domain}, {dtype}"
+        )
+    body = buf[HEADER_BYTES:]
+    if h.kind is Encoding.COO:
+        index_dtype = torch.int32 if h.index_width == 4 else torch.int64
+        cut = h.count * h.index_width
+        keys = body[:cut].view(index_dtype).to(torch.int64)
+        if h.count:
+            lo, hi = int(keys.min()), int(keys.max())
+            if lo < 0 or hi >= domain:
+                raise CodecError(f"key {lo if lo < 0 else hi} outside domain {domain}")
+    else:
+        cut = bitmap_bytes(domain)
+        shifts = torch.arange(8, dtype=torch.uint8, device=buf.device)
+        bits = (body[:cut].unsqueeze(1) >> shifts) & 1
+        keys = bits.reshape(-1).nonzero().squeeze(1)
+        if keys.numel() != h.count or (h.count and int(keys[-1]) >= domain):
+            raise CodecError(f"bitmap has {keys.numel()} bits set in domain {domain}, header says {h.count}")
+    values = body[cut:].view(h.dtype).reshape(h.count, h.unit_width)
+    return keys, values, h
+
+
+def decode_dense(buf: torch.Tensor, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Header]:
+    h = read_header(buf)
+    if h.kind is not Encoding.DENSE or h.count != numel or h.dtype != dtype:
+        raise CodecError(f"expected a dense message of {numel} {dtype}, got {h.kind.name} of {h.count} {h.dtype}")
+    return buf[HEADER_BYTES:].view(dtype), h

@@ -1,0 +1,108 @@
+"""The point-to-point interface every scheme is written against, and its byte accounting.
+
+A `Communicator` moves opaque messages (1-D uint8 tensors) between ranks, matched by
+(source, tag). The in-process cluster implements it for tests and the simulator; the network
+transports implement the same two methods. A `Channel` is what a scheme sees during one sync:
+tags scoped to that sync, and every byte counted per phase.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+
+class CommError(RuntimeError):
+    """A message could not be delivered or did not arrive; the message names the peer."""
+
+
+class Communicator(ABC):
+    """Point-to-point messaging among `world_size` ranks.
+
+    `send` may return before the message is delivered; the caller must not modify `payload`
+    afterwards. `recv` blocks until the message from `src` with `tag` arrives, or raises
+    CommError after `timeout_s`. Messages between a pair with the same tag arrive in order.
+    """
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class PhaseTraffic:
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    messages_sent: int = 0
+    messages_recv: int = 0
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages per phase, as this rank saw them (payload bytes, headers included)."""
+
+    phases: dict[str, PhaseTraffic] = field(default_factory=lambda: defaultdict(PhaseTraffic))
+    encodings: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(p.bytes_sent for p in self.phases.values())
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(p.bytes_recv for p in self.phases.values())
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_recv": self.bytes_recv,
+            "phases": {k: vars(v).copy() for k, v in self.phases.items()},
+            "encodings": dict(self.encodings),
+        }
+
+
+class Channel:
+    """A communicator seen through one sync: scoped tags, counted bytes."""
+
+    def __init__(self, comm: Communicator, sync_id: str = "0", timeout_s: float | None = 60.0):
+        self.comm = comm
+        self.sync_id = sync_id
+        self.timeout_s = timeout_s
+        self.traffic = Traffic()
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def _tag(self, phase: str, round_: int) -> str:
+        return f"{self.sync_id}/{phase}/{round_}"
+
+    def send(self, dst: int, phase: str, payload: torch.Tensor, round_: int = 0) -> None:
+        if dst == self.rank:
+            raise CommError(f"rank {self.rank} sending to itself in phase {phase!r}")
+        self.comm.send(dst, self._tag(phase, round_), payload)
+        t = self.traffic.phases[phase]
+        t.bytes_sent += payload.numel()
+        t.messages_sent += 1
+
+    def recv(self, src: int, phase: str, round_: int = 0) -> torch.Tensor:
+        payload = self.comm.recv(src, self._tag(phase, round_), self.timeout_s)
+        t = self.traffic.phases[phase]
+        t.bytes_recv += payload.numel()
+        t.messages_recv += 1
+        return payload
+
+    def note_encoding(self, phase: str, kind: str) -> None:
+        self.traffic.encodings[f"{phase}:{kind}"] += 1

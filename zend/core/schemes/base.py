@@ -1,0 +1,63 @@
+"""What a synchronisation scheme is: a gradient in, the cluster-wide sum out, and the cost."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from zend.core.comm import Channel, Traffic
+from zend.core.sparse import SparseGrad
+
+
+@dataclass
+class SyncResult:
+    """The summed gradient as this rank received it, and what it cost.
+
+    Imbalance ratios are 1.0 at best. `push_imbalance` is this rank's own (max over partitions
+    of n * units it pushed there / units it pushed); the cluster's figure is the max over
+    ranks. `push_load_imbalance` (units each partition received) and `pull_imbalance` (units
+    each partition aggregated) are cluster-wide and equal on every rank.
+    """
+
+    grad: SparseGrad
+    scheme: str
+    traffic: Traffic
+    push_imbalance: float = 1.0
+    push_load_imbalance: float = 1.0
+    pull_imbalance: float = 1.0
+    mean_input_rows: float | None = None  # cluster-wide mean of non-zero rows per rank, when known
+    details: dict[str, object] = field(default_factory=dict)
+
+    def to_dense(self) -> torch.Tensor:
+        return self.grad.to_dense()
+
+
+class Scheme(ABC):
+    """One way to sum a sparse gradient over all ranks, written against a Channel."""
+
+    name: str
+
+    @abstractmethod
+    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
+             deterministic: bool = False) -> SyncResult:
+        """Every rank calls this with its gradient of the same tensor (same shape and dtype)."""
+
+
+def imbalance(counts: list[int]) -> float:
+    """n * max / sum, 1.0 when perfectly even (or when there is nothing)."""
+    total = sum(counts)
+    return len(counts) * max(counts) / total if total else 1.0
+
+
+def finish(values32: torch.Tensor, dtype: torch.dtype, average: bool, world_size: int) -> torch.Tensor:
+    """Divide by the world size if asked, in float32, then round once to the gradient's dtype."""
+    if average and world_size > 1:
+        values32 = values32 / world_size
+    return values32.to(dtype)
+
+
+def local_only(grad: SparseGrad, ch: Channel, name: str, average: bool) -> SyncResult:
+    """The world of one rank: the sum is the rank's own gradient."""
+    return SyncResult(grad, name, ch.traffic, mean_input_rows=float(grad.nnz))

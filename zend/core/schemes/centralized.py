@@ -1,0 +1,110 @@
+"""Centralized schemes: every rank ends up aggregating the whole tensor.
+
+- `hc`: SparCML's recursive doubling with incremental aggregation (Hierarchical
+  Centralization), for any number of ranks;
+- `agsparse`: allgather of every rank's COO, then a local sum (torch gloo, Horovod).
+Messages carry whole-tensor units (rows), keyed by row index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zend.core.aggregate import sum_keyed
+from zend.core.codec import Encoding, decode_units, encode_units, read_header
+from zend.core.comm import Channel
+from zend.core.schemes.base import Scheme, SyncResult, finish, local_only
+from zend.core.sparse import SparseGrad
+
+Rows = tuple[torch.Tensor, torch.Tensor]  # (sorted row indices, values (nnz, row_len))
+
+
+def _send_rows(ch: Channel, dst: int, phase: str, rows: Rows, num_rows: int,
+               encodings: tuple[Encoding, ...], round_: int = 0) -> None:
+    msg = encode_units(rows[0], rows[1], num_rows, encodings, keys_sorted=True)
+    ch.note_encoding(phase, read_header(msg).kind.name)
+    ch.send(dst, phase, msg, round_)
+
+
+def _recv_rows(ch: Channel, src: int, phase: str, grad: SparseGrad, round_: int = 0) -> Rows:
+    keys, values, _ = decode_units(ch.recv(src, phase, round_), grad.row_len, grad.num_rows, grad.dtype)
+    return keys, values
+
+
+def _as_grad(rows: Rows, template: SparseGrad) -> SparseGrad:
+    keys, values = rows
+    return SparseGrad(keys, values.reshape(-1, *template.row_shape), template.num_rows, template.name, True)
+
+
+class HCScheme(Scheme):
+    """Recursive doubling; for n not a power of two the extra ranks fold into partners first.
+
+    Partners add the same two operands, so both hold the same bits after every round (float
+    addition commutes); each round's sum is rounded to the gradient's dtype before it is used,
+    exactly as it travels.
+    """
+
+    name = "hc"
+    encodings = (Encoding.COO, Encoding.BITMAP)
+
+    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
+             deterministic: bool = False) -> SyncResult:
+        grad = grad.coalesce(deterministic)
+        n, me = ch.world_size, ch.rank
+        if n == 1:
+            return local_only(grad, ch, self.name, average)
+        rows: Rows = (grad.indices.to(torch.int64), grad.flat_values())
+        power = 1 << (n.bit_length() - 1)
+        extra = n - power
+
+        def merge(a: Rows, b: Rows) -> Rows:
+            keys, summed = sum_keyed([a, b], deterministic)
+            return keys, summed.to(grad.dtype)
+
+        if me >= power:  # fold in, wait for the answer
+            _send_rows(ch, me - power, "fold", rows, grad.num_rows, self.encodings)
+            rows = _recv_rows(ch, me - power, "unfold", grad)
+        else:
+            if me < extra:
+                rows = merge(rows, _recv_rows(ch, me + power, "fold", grad))
+            for level in range(power.bit_length() - 1):
+                partner = me ^ (1 << level)
+                _send_rows(ch, partner, "exchange", rows, grad.num_rows, self.encodings, level)
+                theirs = _recv_rows(ch, partner, "exchange", grad, level)
+                rows = merge(rows, theirs) if me < partner else merge(theirs, rows)
+            if me < extra:
+                _send_rows(ch, me + power, "unfold", rows, grad.num_rows, self.encodings)
+        keys, values = rows
+        return SyncResult(_as_grad((keys, finish(values.float(), grad.dtype, average, n)), grad), self.name, ch.traffic)
+
+
+class AGSparseScheme(Scheme):
+    """Ring allgather of every rank's COO gradient, then each rank sums all n in rank order."""
+
+    name = "agsparse"
+
+    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
+             deterministic: bool = False) -> SyncResult:
+        grad = grad.coalesce(deterministic)
+        n, me = ch.world_size, ch.rank
+        if n == 1:
+            return local_only(grad, ch, self.name, average)
+        own = encode_units(grad.indices.to(torch.int64), grad.flat_values(), grad.num_rows, (Encoding.COO,),
+                           keys_sorted=True)
+        messages: list[torch.Tensor | None] = [None] * n
+        messages[me] = own
+        nxt, prev = (me + 1) % n, (me - 1) % n
+        forward = own
+        for step in range(n - 1):  # step s forwards the gradient of rank me - s
+            ch.send(nxt, "allgather", forward, step)
+            forward = ch.recv(prev, "allgather", step)
+            messages[(me - step - 1) % n] = forward
+        gathered: list[Rows] = []
+        for msg in messages:
+            assert msg is not None
+            keys, values, _ = decode_units(msg, grad.row_len, grad.num_rows, grad.dtype)
+            gathered.append((keys, values))
+        keys, summed = sum_keyed(gathered, deterministic)
+        ch.note_encoding("allgather", "COO")
+        return SyncResult(_as_grad((keys, finish(summed, grad.dtype, average, n)), grad), self.name, ch.traffic,
+                          mean_input_rows=sum(k.numel() for k, _ in gathered) / n)

@@ -1,0 +1,197 @@
+"""Row-sparse gradients: the one representation every scheme consumes and produces.
+
+A gradient of a tensor with `num_rows` rows is `indices` (which rows are present, 1-D int32 or
+int64) plus `values` (one row of `row_shape` per index). An element-sparse gradient is the
+1-D case (`row_shape == ()`). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+NonFinitePolicy = Literal["reject", "pass"]
+
+
+class SparseGradError(ValueError):
+    """A gradient that zen cannot synchronise; the message names the tensor and the value."""
+
+
+@dataclass(frozen=True)
+class SparseGrad:
+    """Rows `indices` of a (num_rows, *row_shape) tensor, with their `values`.
+
+    `coalesced` promises that indices are sorted ascending and unique; schemes rely on it.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    num_rows: int
+    name: str = "grad"
+    coalesced: bool = False
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def row_len(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        return (self.num_rows, *self.row_shape)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def density(self) -> float:
+        return self.nnz / self.num_rows if self.num_rows else 0.0
+
+    def flat_values(self) -> torch.Tensor:
+        """Values as a (nnz, row_len) matrix (a view when possible)."""
+        return self.values.reshape(self.nnz, self.row_len)
+
+    def with_values(self, values: torch.Tensor) -> SparseGrad:
+        return SparseGrad(self.indices, values, self.num_rows, self.name, self.coalesced)
+
+    # ---------------------------------------------------------------- validation
+    def validate(self, nonfinite: NonFinitePolicy = "reject") -> SparseGrad:
+        """Raise SparseGradError naming the tensor and the offending value; return self."""
+        where = f"tensor {self.name!r}"
+        if self.indices.dtype not in INDEX_DTYPES:
+            raise SparseGradError(f"{where}: index dtype {self.indices.dtype} is not int32 or int64")
+        if self.values.dtype not in VALUE_DTYPES:
+            raise SparseGradError(
+                f"{where}: value dtype {self.values.dtype} is not one of float32, float16, bfloat16"
+            )
+        if self.indices.dim() != 1:
+            raise SparseGradError(f"{where}: indices must be 1-D, got shape {tuple(self.indices.shape)}")
+        if self.values.dim() < 1 or self.values.shape[0] != self.indices.shape[0]:
+            raise SparseGradError(
+                f"{where}: {self.indices.shape[0]} indices but values of shape {tuple(self.values.shape)}"
+            )
+        if self.num_rows < 0 or self.num_rows >= 2**31:
+            raise SparseGradError(f"{where}: num_rows {self.num_rows} outside [0, 2**31)")
+        if self.indices.device != self.values.device:
+            raise SparseGradError(f"{where}: indices on {self.indices.device}, values on {self.values.device}")
+        if self.nnz:
+            lo, hi = int(self.indices.min()), int(self.indices.max())
+            if lo < 0:
+                raise SparseGradError(f"{where}: negative index {lo}")
+            if hi >= self.num_rows:
+                raise SparseGradError(f"{where}: index {hi} out of range for {self.num_rows} rows")
+            if nonfinite == "reject":
+                bad = ~torch.isfinite(self.values)
+                if bool(bad.any()):
+                    pos = int(bad.reshape(self.nnz, -1).any(dim=1).nonzero()[0, 0])
+                    value = self.values[pos].reshape(-1)[bad[pos].reshape(-1)][0].item()
+                    raise SparseGradError(
+                        f"{where}: non-finite value {value} in row {int(self.indices[pos])}"
+                    )
+        if nonfinite not in ("reject", "pass"):
+            raise SparseGradError(f"{where}: non-finite policy {nonfinite!r} is not 'reject' or 'pass'")
+        return self
+
+    def check_compatible(self, other: SparseGrad) -> None:
+        """Both describe the same dense tensor (shape and dtype)."""
+        if self.dense_shape != other.dense_shape:
+            raise SparseGradError(
+                f"tensor {self.name!r}: dense shape {self.dense_shape} != {other.dense_shape} of {other.name!r}"
+            )
+        if self.dtype != other.dtype:
+            raise SparseGradError(f"tensor {self.name!r}: dtype {self.dtype} != {other.dtype} of {other.name!r}")
+
+    # ---------------------------------------------------------------- conversions
+    def coalesce(self, deterministic: bool = True) -> SparseGrad:
+        """Sort indices and sum duplicates (incremental aggregation before anything is sent).
+
+        Duplicates are summed in float32 and rounded once. With `deterministic`, sums follow the
+        original order of the duplicates (stable sort + segment sum), on CPU and CUDA alike.
+        """
+        if self.coalesced:
+            return self
+        idx = self.indices.to(torch.int64)
+        if self.nnz == 0:
+            return SparseGrad(idx, self.values, self.num_rows, self.name, True)
+        if bool((idx[1:] > idx[:-1]).all()):
+            return SparseGrad(idx, self.values, self.num_rows, self.name, True)
+        order = torch.sort(idx, stable=True).indices
+        sorted_idx = idx[order]
+        unique, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+        vals = self.flat_values()[order].to(torch.float32)
+        if deterministic and vals.is_cuda:
+            summed = torch.segment_reduce(vals, "sum", lengths=counts, axis=0)
+        else:
+            inverse = torch.repeat_interleave(torch.arange(unique.numel(), device=idx.device), counts)
+            summed = torch.zeros(unique.numel(), self.row_len, dtype=torch.float32, device=vals.device)
+            summed.index_add_(0, inverse, vals)  # sequential on CPU: deterministic
+        values = summed.to(self.dtype).reshape(unique.numel(), *self.row_shape)
+        return SparseGrad(unique, values, self.num_rows, self.name, True)
+
+    def to_dense(self) -> torch.Tensor:
+        out = torch.zeros(self.dense_shape, dtype=self.dtype, device=self.device)
+        if self.nnz:
+            out.index_put_((self.indices.to(torch.int64),), self.values, accumulate=True)
+        return out
+
+    def to_torch_sparse(self) -> torch.Tensor:
+        t = torch.sparse_coo_tensor(
+            self.indices.to(torch.int64).unsqueeze(0), self.values, self.dense_shape, check_invariants=False
+        )
+        return t._coalesced_(True) if self.coalesced else t
+
+    @staticmethod
+    def empty(num_rows: int, row_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", name: str = "grad") -> SparseGrad:
+        return SparseGrad(
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty((0, *row_shape), dtype=dtype, device=device),
+            num_rows, name, True,
+        )
+
+
+def from_torch_sparse(t: torch.Tensor, name: str = "grad") -> SparseGrad:
+    """From a torch sparse COO tensor, coalesced or not (as nn.Embedding(sparse=True) makes).
+
+    A tensor sparse in its first dimension only is row-sparse; one sparse in every dimension is
+    flattened to an element-sparse 1-D gradient.
+    """
+    if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_coo:
+        raise SparseGradError(f"tensor {name!r}: expected a sparse COO tensor, got {getattr(t, 'layout', type(t))}")
+    indices, values = t._indices(), t._values()
+    if t.sparse_dim() == 1:
+        return SparseGrad(indices[0], values, t.shape[0], name, t.is_coalesced())
+    if t.dense_dim() == 0:
+        flat = torch.zeros_like(indices[0])
+        for dim, size in enumerate(t.shape):
+            flat = flat * size + indices[dim]
+        return SparseGrad(flat, values, math.prod(t.shape), name, False)
+    raise SparseGradError(
+        f"tensor {name!r}: sparse_dim {t.sparse_dim()} with dense_dim {t.dense_dim()} "
+        "is neither row- nor element-sparse"
+    )
+
+
+def from_dense(t: torch.Tensor, name: str = "grad") -> SparseGrad:
+    """Keep the rows of `t` that hold any non-zero (a 1-D tensor keeps its non-zero elements)."""
+    if t.dim() == 0:
+        raise SparseGradError(f"tensor {name!r}: a scalar has no rows")
+    flat = t.reshape(t.shape[0], -1)
+    rows = (flat != 0).any(dim=1).nonzero().squeeze(1)
+    return SparseGrad(rows, t[rows], t.shape[0], name, True)

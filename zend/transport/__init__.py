@@ -1,0 +1,1 @@
+"""How bytes cross between ranks: implementations of zend.core.comm.Communicator."""
