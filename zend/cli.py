@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from zend.core.schemes import SCHEMES
+from zend.runtime import tune_allocator
 from zend.simulate import DEFAULT_SCHEMES, DEFAULT_WORLD_SIZES, as_json_rows, format_table, simulate
 from zend.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
 
@@ -80,6 +81,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         trace = TokenTrace(tokens, vocab, seqs=args.batch[0], seq_len=args.batch[1], seed=args.seed)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"zend simulate: {exc}") from None
+    tune_allocator()
     start = time.perf_counter()
     rows = simulate(trace, args.nodes, args.schemes, args.dim, DTYPES[args.dtype], args.steps, args.seed)
     if args.json:

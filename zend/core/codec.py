@@ -89,7 +89,7 @@ def _pack(kind: Encoding, dtype: torch.dtype, index_width: int, unit_width: int,
 def encode_units(keys: torch.Tensor, values: torch.Tensor, domain: int,
                  allowed: tuple[Encoding, ...] = (Encoding.COO, Encoding.BITMAP), aux: int = 0,
                  keys_sorted: bool = False) -> torch.Tensor:
-    """Encode units `keys` (int64, unique, in [0, domain)) with `values` (count, unit_width)."""
+    """Encode units `keys` (integers, unique, in [0, domain)) with `values` (count, unit_width)."""
     count, width = values.shape[0], values.shape[1]
     kind = cheapest(count, width, domain, values.dtype, allowed)
     if kind is Encoding.COO:
@@ -103,7 +103,7 @@ def encode_units(keys: torch.Tensor, values: torch.Tensor, domain: int,
     packed = torch.zeros(bitmap_bytes(domain), dtype=torch.uint8, device=keys.device)
     bit_values = torch.bitwise_left_shift(torch.ones(count, dtype=torch.uint8, device=keys.device),
                                           torch.bitwise_and(keys, 7).to(torch.uint8))
-    packed.index_put_((torch.bitwise_right_shift(keys, 3),), bit_values, accumulate=True)
+    packed.index_put_((torch.bitwise_right_shift(keys, 3).long(),), bit_values, accumulate=True)
     return _pack(kind, values.dtype, 0, width, count, domain, aux, [packed, values], values.device)
 
 

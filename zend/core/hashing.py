@@ -1,7 +1,7 @@
 """The seeded hash behind ZEN's partitioning, in plain torch ops (same code on CPU and CUDA).
 
-Multiply-shift hashing (Dietzfelbinger et al.): the high 16 bits of (x ^ salt) * A mod 2^32 for
-an odd multiplier A drawn from the seed, scaled to [0, n) by a multiply and a shift. Inputs
+Multiply-shift hashing (Dietzfelbinger et al.): h = (x ^ salt) * A mod 2^32 for an odd
+multiplier A drawn from the seed, scaled to [0, n) as (h * n) >> 32 (its high bits decide). Inputs
 stay below 2^31 so every product fits in int64: no reliance on wrapping overflow. Every rank
 that agrees on the seed computes the same function.
 """
@@ -12,7 +12,7 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 MAX_KEY = 2**31  # hashed values must lie in [0, MAX_KEY)
-MAX_PARTS = 2**16
+MAX_PARTS = 2**16  # (2^32 - 1) * n must fit in int64
 
 
 def _splitmix64(x: int) -> int:
@@ -38,7 +38,5 @@ class SeededHash:
         h = torch.bitwise_xor(x, self.salt)
         h.mul_(self.multiplier)  # < 2^31 * 2^32: exact in int64
         h.bitwise_and_(_MASK32)
-        h.bitwise_right_shift_(16)
-        h.mul_(self.num_parts)
-        h.bitwise_right_shift_(16)
-        return h
+        h.mul_(self.num_parts)  # < 2^32 * 2^16
+        return h.bitwise_right_shift_(32)

@@ -26,7 +26,7 @@ from zend.core.sparse import SparseGrad
 
 @dataclass(frozen=True)
 class Part:
-    """Units of one partition: `keys` (int64, unique) and `values` of shape (len(keys), unit_width)."""
+    """Units of one partition: `keys` (int32 or int64, unique) and `values` (len(keys), unit_width)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -77,13 +77,12 @@ def _group_by_part(part_ids: torch.Tensor, num_parts: int) -> tuple[torch.Tensor
 
     On CPU numpy's stable argsort is a radix sort for 8/16-bit keys: 3-4x torch.sort.
     """
-    counts = torch.bincount(part_ids, minlength=num_parts).tolist()
     if part_ids.is_cuda:
         order = torch.sort(part_ids, stable=True).indices
-    else:
-        small = part_ids.numpy().astype(np.uint8 if num_parts <= 256 else np.uint16)
-        order = torch.from_numpy(np.argsort(small, kind="stable").astype(np.int64, copy=False))
-    return order, counts
+        return order, torch.bincount(part_ids, minlength=num_parts).tolist()
+    small = part_ids.numpy().astype(np.uint8 if num_parts <= 256 else np.uint16)
+    order = torch.from_numpy(np.argsort(small, kind="stable").astype(np.int64, copy=False))
+    return order, np.bincount(small, minlength=num_parts).tolist()
 
 
 def _largest_divisor_at_most(value: int, limit: int) -> int:
@@ -126,6 +125,8 @@ class ZenPartitioner(Partitioner):
         """(rot(r), block of r) for int64 rows; rot(r) is the partition of slice 0 of row r."""
         n = self.num_parts
         blocks = _floordiv(rows, n)
+        if n & (n - 1) == 0:  # (h(b) + r mod n) mod n = (h(b) + r) mod n: two ops fewer
+            return self.hash(blocks).add_(rows).bitwise_and_(n - 1), blocks
         return _mod_small(self.hash(blocks).add_(_offset_in_block(rows, blocks, n)), n), blocks
 
     def split(self, grad: SparseGrad) -> list[Part]:
@@ -133,12 +134,12 @@ class ZenPartitioner(Partitioner):
         n, s_count, width = self.num_parts, self.slices, self.unit_width
         rot, blocks = self.rotation(rows)
         if s_count == 1:
-            part_ids, keys = rot, blocks
+            part_ids, keys = rot, blocks.to(torch.int32)  # keys < 2^31: half the bytes to move
             units = grad.flat_values()
         else:
             slice_ids = torch.arange(s_count, device=rows.device)
             part_ids = _mod_small(rot.unsqueeze(1) + slice_ids, n).reshape(-1)
-            keys = (blocks.unsqueeze(1) * s_count + slice_ids).reshape(-1)
+            keys = (blocks.unsqueeze(1) * s_count + slice_ids).reshape(-1).to(torch.int32)
             units = grad.flat_values().reshape(-1, width)
         order, counts = _group_by_part(part_ids, n)
         keys, units = keys.index_select(0, order), units.index_select(0, order)
@@ -147,6 +148,7 @@ class ZenPartitioner(Partitioner):
     def rows_of(self, part: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode keys of partition `part` into (rows, slice indices)."""
         n, s_count = self.num_parts, self.slices
+        keys = keys.to(torch.int64)  # b * n below may pass 2^31
         blocks = torch.div(keys, s_count, rounding_mode="floor") if s_count > 1 else keys
         slice_ids = keys - blocks * s_count
         # r mod n = (part - s - h(b)) mod n, each term in [0, n): shift by 2n to stay positive.
