@@ -1,0 +1,102 @@
+"""Fixtures that own every transport and process a test starts, and stop them on failure too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from zend.transport import create
+
+SECRET = b"test-cluster-secret-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def connect_all(transports: list) -> None:
+    peers = {t.rank: t.address for t in transports}
+    errors: list[BaseException] = []
+
+    def run(t) -> None:  # type: ignore[no-untyped-def]
+        try:
+            t.connect(peers, timeout_s=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in transports]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(params=["tcp"])
+def scheme(request) -> str:  # type: ignore[no-untyped-def]
+    """The transport under test: the conformance suite runs against every backend."""
+    return request.param
+
+
+@pytest.fixture
+def mesh(scheme) -> Iterator[Callable[..., list]]:  # type: ignore[no-untyped-def]
+    """mesh(n, **options) -> n connected transports in this process (real sockets, loopback)."""
+    made: list = []
+
+    def make(n: int, connect: bool = True, **options) -> list:  # type: ignore[no-untyped-def]
+        options.setdefault("cluster_id", "test")
+        options.setdefault("secret", SECRET)
+        options.setdefault("timeout_s", 10.0)
+        ts = [create(f"{scheme}://127.0.0.1:0", r, n, **options) for r in range(n)]
+        made.extend(ts)
+        if connect:
+            connect_all(ts)
+        return ts
+
+    yield make
+    for t in made:
+        t.close()
+
+
+class Workers:
+    """Rank processes started by a test (tests/transport/worker.py); all killed at teardown."""
+
+    def __init__(self, scheme: str):
+        self.scheme = scheme
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, rank: int, world_size: int, mode: str, *extra: str) -> tuple[subprocess.Popen, int]:
+        env = dict(os.environ, ZEN_CLUSTER_SECRET=SECRET.decode())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://127.0.0.1:0",
+             "--rank", str(rank), "--world-size", str(world_size), "--mode", mode, *extra],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), f"worker {rank} printed {line!r}"
+        return proc, int(line.split()[1])
+
+    @staticmethod
+    def send_peers(proc: subprocess.Popen, peers: dict[int, tuple[str, int]]) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({str(k): list(v) for k, v in peers.items()}) + "\n")
+        proc.stdin.flush()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+@pytest.fixture
+def workers(scheme) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    w = Workers(scheme)
+    yield w
+    w.stop()
