@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from zend.emulated import EmulatedCluster, available
 from zend.transport import create
 
 SECRET = b"test-cluster-secret-0123456789"
@@ -70,12 +71,16 @@ class Workers:
         self.scheme = scheme
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, rank: int, world_size: int, mode: str, *extra: str) -> tuple[subprocess.Popen, int]:
+    def start(self, rank: int, world_size: int, mode: str, *extra: str, host: str = "127.0.0.1",
+              cluster: EmulatedCluster | None = None) -> tuple[subprocess.Popen, int]:
+        """Start rank `rank` on loopback, or inside host `rank` of an emulated cluster."""
         env = dict(os.environ, ZEN_CLUSTER_SECRET=SECRET.decode())
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://127.0.0.1:0",
-             "--rank", str(rank), "--world-size", str(world_size), "--mode", mode, *extra],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://{host}:0",
+                "--rank", str(rank), "--world-size", str(world_size), "--mode", mode, *extra]
+        if cluster is None:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        else:
+            proc = cluster.popen(rank, argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -100,3 +105,21 @@ def workers(scheme) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
     w = Workers(scheme)
     yield w
     w.stop()
+
+
+@pytest.fixture
+def emulated_cluster() -> Iterator[Callable[..., EmulatedCluster]]:
+    """emulated_cluster(n, rate_mbit=...) -> an EmulatedCluster, removed at teardown."""
+    reason = available()
+    if reason:
+        pytest.skip(f"emulated cluster unavailable: {reason}")
+    made: list[EmulatedCluster] = []
+
+    def make(n: int, **options) -> EmulatedCluster:  # type: ignore[no-untyped-def]
+        cluster = EmulatedCluster(n, **options).__enter__()
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for c in made:
+        c.close()

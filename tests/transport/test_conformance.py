@@ -13,8 +13,8 @@ import torch
 from tests.transport.conftest import SECRET, connect_all
 from zend.core import CommError
 from zend.transport import create, parse_uri
+from zend.transport.framed import MAGIC
 from zend.transport.handshake import HandshakeError
-from zend.transport.tcp import MAGIC
 
 
 def test_messages_between_a_pair_arrive_in_order(mesh):
@@ -191,4 +191,4 @@ def test_all_ranks_connect_in_any_start_order(mesh):
     ts = mesh(5, connect=False)
     connect_all(list(reversed(ts)))
     for t in ts:
-        assert all(p.sock is not None for p in t.peers.values())
+        assert all(p.link is not None for p in t.peers.values())

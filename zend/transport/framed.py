@@ -1,0 +1,381 @@
+"""What every network transport shares: peers, mailboxes, handshake flow, failure handling.
+
+A backend supplies the I/O on one *link* (a socket, a UCX endpoint): dialling, accepting,
+sending and receiving handshake messages and frames. This base keeps the rest in one place:
+one link per pair of ranks (the higher rank dials, the lower accepts), the handshake before
+anything else, messages matched by (source, tag) into mailboxes, a bound on unclaimed bytes
+per peer (a receiver stops reading beyond it, so the sender is held back), a timeout on
+every wait, immediate failure of pending receives when a peer's link breaks (the error names
+the peer), and a background redial when a dialled peer comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from abc import abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zend.core.comm import CommError, Communicator
+from zend.transport import handshake as hs
+
+log = logging.getLogger("zend.transport")
+
+FRAME = struct.Struct("<4sBBxxIQ")  # magic, version, type, tag length, payload length
+MAGIC = b"ZENT"
+FRAME_VERSION = 1
+DATA = 1
+MAX_TAG_BYTES = 236  # a frame header (20 bytes + tag) fits 256 bytes
+
+
+class FrameError(ValueError):
+    """A malformed frame: the link that sent it is dropped, others are untouched."""
+
+
+def pack_frame(tag: str, size: int) -> bytes:
+    tag_bytes = tag.encode()
+    if len(tag_bytes) > MAX_TAG_BYTES:
+        raise CommError(f"tag {tag[:40]!r}... of {len(tag_bytes)} bytes exceeds {MAX_TAG_BYTES}")
+    return FRAME.pack(MAGIC, FRAME_VERSION, DATA, len(tag_bytes), size) + tag_bytes
+
+
+def unpack_frame(header: bytes) -> tuple[int, int]:
+    """(tag length, payload size) of a frame header, or FrameError."""
+    magic, version, kind, tag_len, size = FRAME.unpack(header[: FRAME.size])
+    if magic != MAGIC or version != FRAME_VERSION or kind != DATA or tag_len > MAX_TAG_BYTES:
+        raise FrameError(f"sent a malformed frame (magic {magic!r}, version {version}, type {kind}, "
+                         f"tag of {tag_len} bytes)")
+    return tag_len, size
+
+
+@dataclass
+class Peer:
+    rank: int
+    address: tuple[str, int] | None = None
+    link: Any = None  # the backend's connection object, None while down
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    error: str | None = "not connected yet"
+    was_connected: bool = False
+    buffered: int = 0  # bytes received and not yet taken by recv
+
+
+class LinkTransport(Communicator):
+    """Base of tcp:// and ucx://. Use: `start()`, `connect(peers)`, send/recv, `close()`."""
+
+    scheme = "?"
+
+    def __init__(self, rank: int, world_size: int, *, cluster_id: str, secret: bytes, generation: int = 0,
+                 host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 max_buffered_bytes: int = 1 << 30, protocol_version: int = hs.PROTOCOL_VERSION):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.identity = hs.Identity(protocol_version, cluster_id, world_size, generation, rank)
+        self.secret = secret
+        self.host, self.port = host, port
+        self.timeout_s = timeout_s
+        self.max_buffered_bytes = max_buffered_bytes
+        self.peers = {j: Peer(j) for j in range(world_size) if j != rank}
+        self._cond = threading.Condition()
+        self._boxes: dict[tuple[int, str], deque[torch.Tensor]] = {}
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._open_links: list[Any] = []  # every link a receiver may still be reading
+
+    # ------------------------------------------------------------------ backend hooks
+    @abstractmethod
+    def start(self) -> LinkTransport:
+        """Listen on (host, port); port 0 picks a free one, readable from `address` after."""
+
+    @abstractmethod
+    def _open_link(self, address: tuple[str, int], timeout_s: float) -> Any:
+        """Connect to a listening peer; raise OSError (or ConnectionError) if it is not there."""
+
+    @abstractmethod
+    def _close_link(self, link: Any) -> None: ...
+
+    @abstractmethod
+    def _send_message(self, link: Any, data: bytes) -> None:
+        """Send one small message (handshake), delimited."""
+
+    @abstractmethod
+    def _recv_message(self, link: Any) -> bytes:
+        """Receive one message sent by _send_message."""
+
+    @abstractmethod
+    def _receive_frames(self, j: int, link: Any) -> None:
+        """Read frames from rank j until the link breaks (raise) or the transport closes."""
+
+    @abstractmethod
+    def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None: ...
+
+    def _stop_backend(self) -> None:
+        """Release listeners and loops (after every link is closed)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def connect(self, peers: dict[int, tuple[str, int]], timeout_s: float | None = None) -> None:
+        """Dial every lower rank and wait for every higher rank to dial us."""
+        for j, addr in peers.items():
+            if j != self.rank:
+                self.peers[j].address = addr
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        for j in range(self.rank):
+            self._dial(j, deadline)
+        with self._cond:
+            while any(p.link is None for p in self.peers.values()):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    missing = sorted(j for j, p in self.peers.items() if p.link is None)
+                    raise CommError(f"rank {self.rank}: ranks {missing} did not connect within the timeout"
+                                    f" (last errors: {[self.peers[j].error for j in missing]})")
+                self._cond.wait(min(left, 0.2))
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            links = list(self._open_links)
+            self._cond.notify_all()
+        for link in links:  # receivers see their link break and mark the peer down
+            self._close_link(link)
+        for t in self._threads:
+            t.join(2.0)
+        self._stop_backend()
+
+    def __enter__(self) -> LinkTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
+        t = threading.Thread(target=target, args=args, name=f"{self.scheme}-{self.rank}-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ------------------------------------------------------------------ handshake
+    def _send_hs(self, link: Any, message: dict[str, object]) -> None:
+        self._send_message(link, hs.encode(message)[4:])
+
+    def _recv_hs(self, link: Any) -> dict[str, object]:
+        data = self._recv_message(link)
+        if len(data) > hs.MAX_HANDSHAKE_BYTES:
+            raise hs.HandshakeError(f"handshake message of {len(data)} bytes exceeds {hs.MAX_HANDSHAKE_BYTES}")
+        return hs.parse(data)
+
+    def _handshake_connector(self, link: Any, expected_rank: int) -> None:
+        nonce = hs.new_nonce()
+        self._send_hs(link, {"type": "hello", "identity": vars(self.identity), "nonce": nonce})
+        reply = self._recv_hs(link)
+        if reply.get("type") == "error":
+            raise hs.HandshakeError(f"refused by rank {expected_rank}: {reply.get('error')}")
+        theirs = hs.identity_of(reply)
+        problem = hs.mismatch(self.identity, theirs)
+        if problem is None and theirs.rank != expected_rank:
+            problem = f"rank {theirs.rank} answered where rank {expected_rank} was expected"
+        if problem is None and not hs.verify(self.secret, "acceptor", str(reply.get("nonce")), nonce, theirs,
+                                             str(reply.get("mac"))):
+            problem = "authentication failed: the peer does not know the cluster secret"
+        if problem:
+            self._send_hs(link, {"type": "error", "error": problem})
+            raise hs.HandshakeError(f"refused rank {expected_rank}: {problem}")
+        mac = hs.proof(self.secret, "connector", nonce, str(reply["nonce"]), self.identity)
+        self._send_hs(link, {"type": "proof", "mac": mac})
+        final = self._recv_hs(link)
+        if final.get("type") != "ok":
+            raise hs.HandshakeError(f"refused by rank {expected_rank}: {final.get('error')}")
+
+    def _handshake_acceptor(self, link: Any) -> int:
+        hello = self._recv_hs(link)
+        theirs = hs.identity_of(hello)
+        problem = hs.mismatch(self.identity, theirs)
+        if problem is None and theirs.rank < self.rank:
+            problem = f"rank {theirs.rank} must accept, not connect (lower ranks accept)"
+        if problem:
+            self._send_hs(link, {"type": "error", "error": problem})
+            raise hs.HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem}")
+        nonce = hs.new_nonce()
+        mac = hs.proof(self.secret, "acceptor", nonce, str(hello.get("nonce")), self.identity)
+        self._send_hs(link, {"type": "challenge", "identity": vars(self.identity), "nonce": nonce, "mac": mac})
+        answer = self._recv_hs(link)
+        if answer.get("type") == "error":
+            raise hs.HandshakeError(f"rank {theirs.rank} refused us: {answer.get('error')}")
+        if not hs.verify(self.secret, "connector", str(hello.get("nonce")), nonce, theirs, str(answer.get("mac"))):
+            problem = "authentication failed: wrong cluster secret"
+            self._send_hs(link, {"type": "error", "error": problem})
+            raise hs.HandshakeError(f"refused rank {theirs.rank}: {problem}")
+        self._send_hs(link, {"type": "ok"})
+        return theirs.rank
+
+    def _accept(self, link: Any, origin: str) -> None:
+        """Authenticate a link a peer opened to us; refuse it (and only it) if that fails."""
+        try:
+            rank = self._handshake_acceptor(link)
+        except (OSError, ConnectionError, hs.HandshakeError, TimeoutError) as exc:
+            log.warning("rank %d: refused connection from %s: %s", self.rank, origin, exc)
+            self._close_link(link)
+            return
+        self._attach(rank, link)
+
+    # ------------------------------------------------------------------ links
+    def _dial(self, j: int, deadline: float) -> None:
+        """Connect to lower rank j, retrying until the deadline (it may still be starting)."""
+        peer = self.peers[j]
+        if peer.address is None:
+            raise CommError(f"rank {self.rank}: no address for rank {j}")
+        while True:
+            link = None
+            try:
+                link = self._open_link(peer.address, max(0.1, deadline - time.monotonic()))
+                self._handshake_connector(link, j)
+            except hs.HandshakeError:
+                if link is not None:
+                    self._close_link(link)
+                raise  # a refusal is final: retrying would be refused again
+            except (OSError, ConnectionError, TimeoutError) as exc:  # not there (yet): retry
+                if link is not None:
+                    self._close_link(link)
+                peer.error = f"rank {j} at {peer.address[0]}:{peer.address[1]}: {exc}"
+                if time.monotonic() >= deadline or self._closed:
+                    raise CommError(f"rank {self.rank}: cannot connect to {peer.error}") from None
+                time.sleep(0.05)
+                continue
+            self._attach(j, link)
+            return
+
+    def _attach(self, j: int, link: Any) -> None:
+        peer = self.peers[j]
+        with self._cond:
+            if self._closed:  # a late (re)connection racing with close()
+                self._close_link(link)
+                return
+            old, peer.link, peer.error, peer.was_connected = peer.link, link, None, True
+            self._open_links.append(link)
+            self._cond.notify_all()
+        if old is not None:
+            self._close_link(old)
+        log.info("rank %d: connected to rank %d over %s", self.rank, j, self.scheme)
+        self._spawn(self._receive_loop, f"recv{j}", j, link)
+
+    def _receive_loop(self, j: int, link: Any) -> None:
+        try:
+            self._receive_frames(j, link)
+        except FrameError as exc:
+            self._fail(j, link, str(exc))
+        except Exception as exc:  # any I/O failure ends this link, with the peer named
+            self._fail(j, link, f"disconnected: {exc or type(exc).__name__}")
+        finally:
+            with self._cond:
+                if link in self._open_links:
+                    self._open_links.remove(link)
+
+    def _fail(self, j: int, link: Any, reason: str) -> None:
+        peer = self.peers[j]
+        with self._cond:
+            if peer.link is not link:  # already replaced by a reconnection
+                return
+            addr = f" at {peer.address[0]}:{peer.address[1]}" if peer.address else ""
+            peer.error = f"rank {j}{addr} {reason}"
+            peer.link = None
+            self._cond.notify_all()
+        self._close_link(link)
+        if not self._closed:
+            log.warning("rank %d: %s", self.rank, peer.error)
+            if j < self.rank:  # we are the dialling side: bring it back when it returns
+                self._spawn(self._redial_loop, f"redial{j}", j)
+
+    def _redial_loop(self, j: int) -> None:
+        while not self._closed and self.peers[j].link is None:
+            try:
+                self._dial(j, time.monotonic() + 1.0)
+            except (CommError, hs.HandshakeError) as exc:
+                self.peers[j].error = f"rank {j}: {exc}"
+                time.sleep(0.2)
+
+    # ------------------------------------------------------------------ data
+    def _reserve(self, j: int, size: int) -> None:
+        """Backpressure: wait while too many bytes from rank j are unclaimed."""
+        peer = self.peers[j]
+        with self._cond:
+            while peer.buffered and peer.buffered + size > self.max_buffered_bytes and not self._closed:
+                self._cond.wait(0.2)
+
+    def _deliver(self, j: int, tag: str, payload: torch.Tensor) -> None:
+        with self._cond:
+            self.peers[j].buffered += payload.numel()
+            self._boxes.setdefault((j, tag), deque()).append(payload)
+            self._cond.notify_all()
+
+    def _live_link(self, dst: int) -> Any:
+        if dst not in self.peers:
+            raise CommError(f"rank {self.rank}: invalid peer {dst} (world size {self.world_size})")
+        peer = self.peers[dst]
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while peer.link is None:  # a reconnection may be under way
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise CommError(f"rank {self.rank}: cannot send to {peer.error}")
+                self._cond.wait(min(left, 0.1))
+            return peer.link
+
+    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
+        link = self._live_link(dst)
+        data = payload.contiguous().view(torch.uint8)
+        header = pack_frame(tag, data.numel())
+        with self.peers[dst].send_lock:
+            try:
+                self._send_frame(link, header, data)
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                self._fail(dst, link, f"failed while sending: {exc}")
+                raise CommError(f"rank {self.rank}: send to {self.peers[dst].error}") from None
+
+    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
+        if src not in self.peers:
+            raise CommError(f"rank {self.rank}: invalid peer {src} (world size {self.world_size})")
+        peer = self.peers[src]
+        key = (src, tag)
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                box = self._boxes.get(key)
+                if box:
+                    payload = box.popleft()
+                    if not box:
+                        del self._boxes[key]
+                    peer.buffered -= payload.numel()
+                    self._cond.notify_all()
+                    return payload
+                if self._closed:
+                    raise CommError(f"rank {self.rank}: transport closed")
+                if peer.link is None and peer.was_connected:
+                    # gone, and nothing of this tag is buffered: fail now rather than at the timeout
+                    raise CommError(f"rank {self.rank}: {peer.error}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommError(f"rank {self.rank}: no message from rank {src} (tag {tag!r}) "
+                                    f"within {wait} s ({peer.error or 'connected'})")
+                self._cond.wait(min(left, 0.1))
+
+    def wait_connected(self, j: int, timeout_s: float | None = None) -> None:
+        """Block until rank j is (re)connected, e.g. after it restarted."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            while self.peers[j].link is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise CommError(f"rank {self.rank}: rank {j} not connected: {self.peers[j].error}")
+                self._cond.wait(min(left, 0.1))
