@@ -38,7 +38,7 @@ def connect_all(transports: list) -> None:
         raise errors[0]
 
 
-@pytest.fixture(params=["tcp"])
+@pytest.fixture(params=["tcp", "ucx"])
 def scheme(request) -> str:  # type: ignore[no-untyped-def]
     """The transport under test: the conformance suite runs against every backend."""
     return request.param
@@ -79,12 +79,15 @@ class Workers:
                 "--rank", str(rank), "--world-size", str(world_size), "--mode", mode, *extra]
         if cluster is None:
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        else:
+        else:  # hosts share this machine: UCX must not take shared memory past the shaped links
+            env["UCX_TLS"] = "tcp"
             proc = cluster.popen(rank, argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.procs.append(proc)
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("PORT "), f"worker {rank} printed {line!r}"
+        seen = []
+        while not (line := proc.stdout.readline()).startswith("PORT "):  # skip libraries' chatter
+            seen.append(line)
+            assert line and len(seen) < 50, f"worker {rank} never printed its port: {seen}"
         return proc, int(line.split()[1])
 
     @staticmethod

@@ -20,6 +20,8 @@ def run_cluster(workers: Workers, n: int, cluster: EmulatedCluster | None = None
     for proc, _ in procs:
         assert proc.stdout is not None
         line = proc.stdout.readline()
+        while line and not line.startswith("{"):  # skip libraries' chatter
+            line = proc.stdout.readline()
         assert line, f"worker exited with {proc.wait(30)}"
         reports.append(json.loads(line))
     return reports

@@ -1,6 +1,6 @@
 """How bytes cross between ranks: implementations of zend.core.comm.Communicator.
 
-Network transports are chosen by URI scheme (`tcp://host:port`, later `ucx://host:port`);
+Network transports are chosen by URI scheme (`tcp://host:port`, `ucx://host:port`);
 each backend module is imported only when its scheme is used, so that a CPU-only install
 never loads UCX.
 """
@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 BACKENDS = {
     "tcp": "zend.transport.tcp:TcpTransport",
+    "ucx": "zend.transport.ucx:UcxTransport",
 }
 
 

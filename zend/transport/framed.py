@@ -32,6 +32,7 @@ FRAME = struct.Struct("<4sBBxxIQ")  # magic, version, type, tag length, payload 
 MAGIC = b"ZENT"
 FRAME_VERSION = 1
 DATA = 1
+GOODBYE = 2  # sent by close(): the peer fails its pending receives at once, on any backend
 MAX_TAG_BYTES = 236  # a frame header (20 bytes + tag) fits 256 bytes
 
 
@@ -39,16 +40,18 @@ class FrameError(ValueError):
     """A malformed frame: the link that sent it is dropped, others are untouched."""
 
 
-def pack_frame(tag: str, size: int) -> bytes:
+def pack_frame(tag: str, size: int, kind: int = DATA) -> bytes:
     tag_bytes = tag.encode()
     if len(tag_bytes) > MAX_TAG_BYTES:
         raise CommError(f"tag {tag[:40]!r}... of {len(tag_bytes)} bytes exceeds {MAX_TAG_BYTES}")
-    return FRAME.pack(MAGIC, FRAME_VERSION, DATA, len(tag_bytes), size) + tag_bytes
+    return FRAME.pack(MAGIC, FRAME_VERSION, kind, len(tag_bytes), size) + tag_bytes
 
 
 def unpack_frame(header: bytes) -> tuple[int, int]:
-    """(tag length, payload size) of a frame header, or FrameError."""
+    """(tag length, payload size) of a data frame header; ConnectionError for a goodbye."""
     magic, version, kind, tag_len, size = FRAME.unpack(header[: FRAME.size])
+    if magic == MAGIC and version == FRAME_VERSION and kind == GOODBYE:
+        raise ConnectionError("closed by the peer")
     if magic != MAGIC or version != FRAME_VERSION or kind != DATA or tag_len > MAX_TAG_BYTES:
         raise FrameError(f"sent a malformed frame (magic {magic!r}, version {version}, type {kind}, "
                          f"tag of {tag_len} bytes)")
@@ -73,7 +76,8 @@ class LinkTransport(Communicator):
 
     def __init__(self, rank: int, world_size: int, *, cluster_id: str, secret: bytes, generation: int = 0,
                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
-                 max_buffered_bytes: int = 1 << 30, protocol_version: int = hs.PROTOCOL_VERSION):
+                 max_buffered_bytes: int = 1 << 30, max_message_bytes: int = 1 << 34,
+                 protocol_version: int = hs.PROTOCOL_VERSION):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.rank, self.world_size = rank, world_size
@@ -82,6 +86,7 @@ class LinkTransport(Communicator):
         self.host, self.port = host, port
         self.timeout_s = timeout_s
         self.max_buffered_bytes = max_buffered_bytes
+        self.max_message_bytes = max_message_bytes
         self.peers = {j: Peer(j) for j in range(world_size) if j != rank}
         self._cond = threading.Condition()
         self._boxes: dict[tuple[int, str], deque[torch.Tensor]] = {}
@@ -148,10 +153,20 @@ class LinkTransport(Communicator):
             self._closed = True
             links = list(self._open_links)
             self._cond.notify_all()
+        for peer in self.peers.values():  # say goodbye, so peers fail their receives now
+            link = peer.link
+            if link is not None and peer.send_lock.acquire(timeout=1.0):
+                try:
+                    self._send_frame(link, pack_frame("", 0, GOODBYE), torch.empty(0, dtype=torch.uint8))
+                except Exception:
+                    pass
+                finally:
+                    peer.send_lock.release()
         for link in links:  # receivers see their link break and mark the peer down
             self._close_link(link)
+        deadline = time.monotonic() + 3.0  # threads are daemons: wait a little, never forever
         for t in self._threads:
-            t.join(2.0)
+            t.join(max(0.0, deadline - time.monotonic()))
         self._stop_backend()
 
     def __enter__(self) -> LinkTransport:
@@ -297,16 +312,22 @@ class LinkTransport(Communicator):
                 self._spawn(self._redial_loop, f"redial{j}", j)
 
     def _redial_loop(self, j: int) -> None:
+        pause = 0.25  # backs off to 2 s: a peer that left may be gone for good
         while not self._closed and self.peers[j].link is None:
+            time.sleep(pause)
+            pause = min(2.0, pause * 2)
+            if self._closed:
+                return
             try:
                 self._dial(j, time.monotonic() + 1.0)
             except (CommError, hs.HandshakeError) as exc:
                 self.peers[j].error = f"rank {j}: {exc}"
-                time.sleep(0.2)
 
     # ------------------------------------------------------------------ data
     def _reserve(self, j: int, size: int) -> None:
         """Backpressure: wait while too many bytes from rank j are unclaimed."""
+        if size > self.max_message_bytes:
+            raise FrameError(f"announced a message of {size} bytes, over the {self.max_message_bytes}-byte limit")
         peer = self.peers[j]
         with self._cond:
             while peer.buffered and peer.buffered + size > self.max_buffered_bytes and not self._closed:

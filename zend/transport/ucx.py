@@ -1,0 +1,174 @@
+"""ucx://: the data plane over UCX, through ucxx (PyPI `ucxx-cu12`, install the `ucx` extra).
+
+UCX picks the fastest path it has: shared memory between processes of one host, TCP between
+hosts, RDMA (InfiniBand / RoCE) where the UCX build has verbs, and CUDA memory directly
+(cuda_copy / cuda_ipc) for GPU tensors, without staging through the host. The PyPI UCX has no
+RDMA: for RDMA install a system UCX >= 1.19 and set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true.
+`active_transports()` reports what UCX really uses; the daemon exports it as a metric.
+
+ucxx is asyncio-based: one event loop per process runs on a background thread, and the
+synchronous transport API submits coroutines to it. Each link is one UCX endpoint carrying,
+per message, a header (frame + tag) and then the payload, received straight into the tensor
+that `recv` hands out. ucxx is imported lazily, so a CPU-only install never loads UCX.
+
+Environment defaults set before UCX starts (each only if unset; see the platform notes):
+UCXPY_PROGRESS_MODE=blocking (the thread mode is 1.5-4x slower on small machines),
+UCX_TLS=tcp,sm (+ cuda_copy,cuda_ipc where CUDA is present; tcp is needed by the connection
+manager; in the emulated cluster force UCX_TLS=tcp, or UCX uses shared memory across hosts),
+UCX_MM_ERROR_HANDLING=y (else shared memory is silently off), UCX_RNDV_THRESH=auto,
+UCX_RNDV_FRAG_MEM_TYPE=host, UCX_WARN_UNUSED_ENV_VARS=n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+import torch
+
+from zend.transport.framed import FRAME, MAX_TAG_BYTES, LinkTransport, unpack_frame
+
+UCX_DEFAULTS = {
+    "UCXPY_PROGRESS_MODE": "blocking",
+    "UCX_TLS": "tcp,sm,cuda_copy,cuda_ipc",
+    "UCX_MM_ERROR_HANDLING": "y",
+    "UCX_RNDV_THRESH": "auto",
+    "UCX_RNDV_FRAG_MEM_TYPE": "host",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+HEADER_BYTES = FRAME.size + MAX_TAG_BYTES
+DEVICE_FLAG = 1 << 63  # set in the size field: the payload is GPU memory
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _ucx_loop() -> asyncio.AbstractEventLoop:
+    """The process's one UCX event loop (UCX has one context per process)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            for key, value in UCX_DEFAULTS.items():
+                if key == "UCX_TLS" and not torch.cuda.is_available():
+                    value = "tcp,sm"  # naming absent CUDA transports makes UCX warn on stdout
+                os.environ.setdefault(key, value)
+            import ucxx  # noqa: F401 - heavy: loads libucx
+
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="ucx-loop", daemon=True).start()
+        return _loop
+
+
+def active_transports() -> list[str]:
+    """The UCX transports this process really uses (e.g. tcp, posix/sysv = shared memory, rc)."""
+    import ucxx
+
+    return sorted(ucxx.get_active_transports())
+
+
+class UcxTransport(LinkTransport):
+    scheme = "ucx"
+    _listener: Any = None
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, _ucx_loop())
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"UCX operation did not complete within {timeout_s} s") from None
+
+    def start(self) -> UcxTransport:
+        import ucxx
+
+        loop = _ucx_loop()
+
+        async def on_connect(endpoint: Any) -> None:
+            # the handshake blocks on the loop; run it on a thread of its own
+            self._spawn(self._accept, "accept", endpoint, "a UCX client")
+
+        async def listen() -> Any:
+            return ucxx.create_listener(on_connect, self.port or None)
+
+        self._listener = asyncio.run_coroutine_threadsafe(listen(), loop).result(self.timeout_s)
+        self.port = self._listener.port
+        return self
+
+    def _stop_backend(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            async def stop() -> None:
+                listener.close()
+
+            with contextlib.suppress(Exception):
+                self._run(stop(), 5.0)
+
+    def _open_link(self, address: tuple[str, int], timeout_s: float) -> Any:
+        import ucxx
+
+        try:
+            return self._run(ucxx.create_endpoint(address[0], address[1], connect_timeout=timeout_s),
+                             timeout_s + 1)
+        except Exception as exc:  # ucxx raises its own error types for refused connections
+            raise ConnectionError(f"UCX connect failed: {exc}") from None
+
+    def _close_link(self, link: Any) -> None:
+        # On the loop thread (UCX objects must not be touched from two threads at once): a
+        # graceful close tells the peer at once; abort if the peer does not answer.
+        async def abort() -> None:
+            if link.closed():
+                return
+            try:
+                await asyncio.wait_for(link.close(), 1.0)
+            except Exception:  # the peer is gone or slow
+                if not link.closed():
+                    link.abort()
+
+        with contextlib.suppress(Exception):  # already closed, or the peer is gone
+            self._run(abort(), 5.0)
+
+    def _send_message(self, link: Any, data: bytes) -> None:
+        self._io(link.send_obj(data), self.timeout_s)
+
+    def _recv_message(self, link: Any) -> bytes:
+        return bytes(self._io(link.recv_obj(), self.timeout_s))
+
+    def _io(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+        try:
+            return self._run(coro, timeout_s)
+        except TimeoutError:
+            raise
+        except Exception as exc:  # UCXX errors: the endpoint is broken
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+
+    def _receive_frames(self, j: int, link: Any) -> None:
+        header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        while not self._closed:
+            self._io(link.recv(header), None)
+            tag_len, size = unpack_frame(header[: FRAME.size].tobytes())
+            on_device = bool(size & DEVICE_FLAG)
+            size &= ~DEVICE_FLAG
+            tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
+            self._reserve(j, size)
+            if on_device and torch.cuda.is_available():
+                payload = torch.empty(size, dtype=torch.uint8, device="cuda")
+                if size:
+                    self._io(link.recv(payload), None)  # UCX writes into GPU memory (cuda_copy/ipc)
+            else:
+                payload = torch.empty(size, dtype=torch.uint8)
+                if size:
+                    self._io(link.recv(payload.numpy()), None)
+            self._deliver(j, tag, payload)
+
+    def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
+        if data.is_cuda:  # GPU memory goes as it is; the flag tells the receiver where to land it
+            size = int.from_bytes(header[12:20], "little") | DEVICE_FLAG
+            header = header[:12] + size.to_bytes(8, "little") + header[20:]
+        self._io(link.send(np.frombuffer(header, dtype=np.uint8)), self.timeout_s)
+        if data.numel():
+            self._io(link.send(data if data.is_cuda else data.numpy()), self.timeout_s)
