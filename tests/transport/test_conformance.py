@@ -192,3 +192,17 @@ def test_all_ranks_connect_in_any_start_order(mesh):
     connect_all(list(reversed(ts)))
     for t in ts:
         assert all(p.link is not None for p in t.peers.values())
+
+
+def test_auto_transport_choice_and_reason():
+    from zend.transport import choose_transport
+
+    assert choose_transport("auto", ["a", "b"], ucx_transports=set())[0] == "tcp"
+    assert choose_transport("auto", ["a", "b"], ucx_transports={"tcp", "posix"}) == (
+        "tcp", "plain TCP network: our sockets beat ucxx over TCP")
+    assert choose_transport("auto", ["a", "a"], ucx_transports={"tcp", "posix"})[0] == "ucx"
+    assert choose_transport("auto", ["a", "b"], ucx_transports={"tcp", "rc_mlx5"})[0] == "ucx"
+    assert choose_transport("auto", ["a", "b"], gpu_tensors=True, ucx_transports={"tcp", "cuda_copy"})[0] == "ucx"
+    assert choose_transport("tcp", ["a"]) == ("tcp", "set to tcp")
+    with pytest.raises(ValueError, match="'rdma' is not"):
+        choose_transport("rdma", ["a"])

@@ -8,8 +8,14 @@ never loads UCX.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
+
+log = logging.getLogger("zend.transport")
+RDMA_TRANSPORTS = {"rc", "rc_verbs", "rc_mlx5", "dc", "dc_mlx5", "ud", "ud_verbs", "ud_mlx5", "ib"}
 
 BACKENDS = {
     "tcp": "zend.transport.tcp:TcpTransport",
@@ -37,3 +43,37 @@ def create(uri: str, rank: int, world_size: int, **options: Any) -> Any:
     module, _, name = BACKENDS[scheme].partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(rank, world_size, host=host, port=port, **options).start()
+
+
+def choose_transport(setting: str, hosts: Sequence[str], gpu_tensors: bool = False,
+                     ucx_transports: set[str] | None = None) -> tuple[str, str]:
+    """Resolve a transport setting ('tcp', 'ucx' or 'auto') to a scheme, with the reason.
+
+    `auto` takes UCX where it brings something plain TCP does not: RDMA in the UCX build, GPU
+    tensors (sent from device memory), or several ranks on one host (shared memory); TCP
+    otherwise, because on plain TCP networks our Python sockets beat ucxx over TCP (see
+    benchmarks/transport_throughput.py). `ucx_transports` is what UCX offers (by default
+    asked of ucxx when it is installed). The choice and its reason are logged.
+    """
+    if setting in ("tcp", "ucx"):
+        return setting, f"set to {setting}"
+    if setting != "auto":
+        raise ValueError(f"transport setting {setting!r} is not 'tcp', 'ucx' or 'auto'")
+    if ucx_transports is None:
+        ucx_transports = set()
+        if importlib.util.find_spec("ucxx") is not None:
+            from zend.transport.ucx import offered_transports
+
+            ucx_transports = offered_transports()
+    if not ucx_transports:
+        choice, reason = "tcp", "ucxx is not installed"
+    elif ucx_transports & RDMA_TRANSPORTS:
+        choice, reason = "ucx", f"UCX offers RDMA ({', '.join(sorted(ucx_transports & RDMA_TRANSPORTS))})"
+    elif gpu_tensors and {"cuda_copy", "cuda_ipc"} & ucx_transports:
+        choice, reason = "ucx", "GPU tensors go from device memory without staging through the host"
+    elif len(set(hosts)) < len(hosts) and {"sm", "posix", "sysv", "cma"} & ucx_transports:
+        choice, reason = "ucx", "several ranks share a host: UCX uses shared memory between them"
+    else:
+        choice, reason = "tcp", "plain TCP network: our sockets beat ucxx over TCP"
+    log.info("transport auto -> %s: %s", choice, reason)
+    return choice, reason

@@ -64,8 +64,22 @@ def _ucx_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+def offered_transports() -> set[str]:
+    """The transports this UCX build can use on this machine (its resources, per device)."""
+    _ucx_loop()  # sets UCX's environment before ucxx loads
+    import ucxx
+
+    info = ucxx.get_ucp_context_info()
+    names = set()
+    for line in info.splitlines():  # lines like "#      resource 3  :  md 1  dev 0  flags -- tcp/eth0"
+        if "resource" in line and "/" in line:
+            names.add(line.rsplit("/", 1)[0].split()[-1])
+    return names
+
+
 def active_transports() -> list[str]:
     """The UCX transports this process really uses (e.g. tcp, posix/sysv = shared memory, rc)."""
+    _ucx_loop()
     import ucxx
 
     return sorted(ucxx.get_active_transports())

@@ -1,0 +1,83 @@
+"""One rank of benchmarks/emulated_cluster.py (run inside its network namespace)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from zend.core import Channel, make_scheme
+from zend.runtime import tune_allocator
+from zend.traces import TokenTrace
+from zend.transport import create
+from zend.transport.handshake import load_secret
+
+
+def barrier(transport, tag: str) -> None:  # type: ignore[no-untyped-def]
+    """Everyone waits for everyone (a tiny all-to-all on the data plane)."""
+    token = torch.zeros(1, dtype=torch.uint8)
+    for j in range(transport.world_size):
+        if j != transport.rank:
+            transport.send(j, tag, token)
+    for j in range(transport.world_size):
+        if j != transport.rank:
+            transport.recv(j, tag)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--uri", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--master", required=True, help="host:port for torch.distributed gloo")
+    p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    tune_allocator()
+    trace = TokenTrace.default()
+    grads = [trace.embedding_grad(args.rank, s, args.dim) for s in range(args.steps + 1)]
+    transport = create(args.uri, args.rank, args.world_size, cluster_id="bench", secret=load_secret(), timeout_s=120)
+    print(f"PORT {transport.address[1]}", flush=True)
+    peers = {int(k): (v[0], int(v[1])) for k, v in json.loads(sys.stdin.readline()).items()}
+    transport.connect(peers)
+    results: dict[str, dict[str, float]] = {}
+    for name in args.schemes.split(","):
+        scheme = make_scheme(name, seed=1)
+        times, sent, recv = [], [], []
+        for step, grad in enumerate(grads):  # step 0 warms up
+            barrier(transport, f"b/{name}/{step}")
+            start = time.perf_counter()
+            r = scheme.sync(Channel(transport, f"{name}/{step}", timeout_s=120), grad)
+            if step:
+                times.append(time.perf_counter() - start)
+                sent.append(r.traffic.bytes_sent)
+                recv.append(r.traffic.bytes_recv)
+        results[name] = {"seconds": sorted(times)[len(times) // 2], "sent": max(sent), "recv": max(recv)}
+    host, port = args.master.rsplit(":", 1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,
+                            world_size=args.world_size)
+    for label in ("gloo_sparse", "gloo_dense"):
+        times = []
+        for grad in grads:
+            t = grad.to_torch_sparse() if label == "gloo_sparse" else grad.to_dense()
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        results[label] = {"seconds": sorted(times[1:])[len(times[1:]) // 2], "sent": 0, "recv": 0}
+    dist.destroy_process_group()
+    barrier(transport, "end")
+    print(json.dumps(results), flush=True)
+    transport.close()
+
+
+if __name__ == "__main__":
+    main()
