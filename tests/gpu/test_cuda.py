@@ -85,3 +85,34 @@ def test_deterministic_coalesce_on_gpu_repeats_exactly():
     for _ in range(5):
         assert torch.equal(grad.coalesce(deterministic=True).values, first.values)
     torch.testing.assert_close(first.values.cpu(), SparseGrad(idx, vals, 50).coalesce().values, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_every_scheme_over_tcp_with_gpu_tensors(scheme):
+    """tcp:// stages GPU tensors through the host; results come back on the GPU."""
+    import threading
+
+    from zend.core import Channel, make_scheme
+    from zend.transport import create
+
+    grads = _cuda_grads(3, torch.float32)
+    expected = reference_sum([SparseGrad(g.indices.cpu(), g.values.cpu(), g.num_rows) for g in grads])
+    ts = [create("tcp://127.0.0.1:0", r, 3, cluster_id="gpu", secret=b"0123456789abcdef!") for r in range(3)]
+    peers = {t.rank: t.address for t in ts}
+    results: list = [None] * 3
+    try:
+        def body(t) -> None:  # type: ignore[no-untyped-def]
+            t.connect(peers)
+            results[t.rank] = make_scheme(scheme, seed=1).sync(Channel(t, "s"), grads[t.rank])
+
+        threads = [threading.Thread(target=body, args=(t,)) for t in ts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        for r in results:
+            assert r is not None and r.grad.values.is_cuda
+            assert_close_to(r.to_dense().cpu(), expected, torch.float32, 3)
+    finally:
+        for t in ts:
+            t.close()

@@ -38,9 +38,22 @@ def connect_all(transports: list) -> None:
         raise errors[0]
 
 
+UCX_CONFORMANCE_ENV = "ZEN_TEST_UCX_CONFORMANCE"
+
+
 @pytest.fixture(params=["tcp", "ucx"])
 def scheme(request) -> str:  # type: ignore[no-untyped-def]
-    """The transport under test: the conformance suite runs against every backend."""
+    """The transport under test: the conformance suite runs against every backend.
+
+    ucx:// runs in the conformance suite only with ZEN_TEST_UCX_CONFORMANCE=1: that suite keeps
+    several UCX transports in one process, and ucxx's event loop wedged there in CI (a known
+    issue, open in issue 3). UCX across real processes, the deployed shape, always runs
+    (test_schemes_over_processes.py).
+    """
+    if (request.param == "ucx" and request.module.__name__.endswith("test_conformance")
+            and not os.environ.get(UCX_CONFORMANCE_ENV)):
+        pytest.skip(f"ucx:// conformance runs with {UCX_CONFORMANCE_ENV}=1 (ucxx can wedge with many "
+                    "endpoints in one process); UCX across processes is tested in test_schemes_over_processes")
     return request.param
 
 

@@ -77,6 +77,11 @@ class Channel:
         self.sync_id = sync_id
         self.timeout_s = timeout_s
         self.traffic = Traffic()
+        self.device: torch.device | None = None
+
+    def bind_device(self, device: torch.device) -> None:
+        """Hand received messages over on this device (a transport may deliver to host memory)."""
+        self.device = device
 
     @property
     def rank(self) -> int:
@@ -99,6 +104,8 @@ class Channel:
 
     def recv(self, src: int, phase: str, round_: int = 0) -> torch.Tensor:
         payload = self.comm.recv(src, self._tag(phase, round_), self.timeout_s)
+        if self.device is not None and payload.device != self.device:
+            payload = payload.to(self.device)
         t = self.traffic.phases[phase]
         t.bytes_recv += payload.numel()
         t.messages_recv += 1

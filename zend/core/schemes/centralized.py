@@ -51,6 +51,7 @@ class HCScheme(Scheme):
              deterministic: bool = False) -> SyncResult:
         grad = grad.coalesce(deterministic)
         n, me = ch.world_size, ch.rank
+        ch.bind_device(grad.device)
         if n == 1:
             return local_only(grad, ch, self.name, average)
         rows: Rows = (grad.indices.to(torch.int64), grad.flat_values())
@@ -87,6 +88,7 @@ class AGSparseScheme(Scheme):
              deterministic: bool = False) -> SyncResult:
         grad = grad.coalesce(deterministic)
         n, me = ch.world_size, ch.rank
+        ch.bind_device(grad.device)
         if n == 1:
             return local_only(grad, ch, self.name, average)
         own = encode_units(grad.indices.to(torch.int64), grad.flat_values(), grad.num_rows, (Encoding.COO,),

@@ -22,6 +22,7 @@ class DenseScheme(Scheme):
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
              deterministic: bool = False) -> SyncResult:
         n, me = ch.world_size, ch.rank
+        ch.bind_device(grad.device)
         if n == 1:
             return local_only(grad.coalesce(deterministic), ch, self.name, average)
         dense = grad.to_dense().reshape(-1)

@@ -38,6 +38,7 @@ class ParallelScheme(Scheme):
              deterministic: bool = False) -> SyncResult:
         grad = grad.coalesce(deterministic)
         n, me = ch.world_size, ch.rank
+        ch.bind_device(grad.device)
         if n == 1:
             return local_only(grad.with_values(finish(grad.flat_values().float(), grad.dtype, average, 1)
                                                .reshape(grad.values.shape)), ch, self.name, average)
