@@ -19,13 +19,13 @@ SECRET = b"test-cluster-secret-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def connect_all(transports: list) -> None:
-    peers = {t.rank: t.address for t in transports}
+def on_every_rank(transports: list, body: Callable[[object], None], timeout_s: float = 60.0) -> None:
+    """Run body(transport) for every rank at once, on threads; re-raise the first failure."""
     errors: list[BaseException] = []
 
     def run(t) -> None:  # type: ignore[no-untyped-def]
         try:
-            t.connect(peers, timeout_s=20)
+            body(t)
         except BaseException as exc:
             errors.append(exc)
 
@@ -33,9 +33,14 @@ def connect_all(transports: list) -> None:
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout_s)
     if errors:
         raise errors[0]
+
+
+def connect_all(transports: list) -> None:
+    peers = {t.rank: t.address for t in transports}
+    on_every_rank(transports, lambda t: t.connect(peers, timeout_s=20))  # type: ignore[attr-defined]
 
 
 UCX_CONFORMANCE_ENV = "ZEN_TEST_UCX_CONFORMANCE"

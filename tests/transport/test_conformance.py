@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.transport.conftest import SECRET, connect_all
+from tests.transport.conftest import SECRET, connect_all, on_every_rank
 from zend.core import CommError
 from zend.transport import create, parse_uri
 from zend.transport.framed import MAGIC
@@ -37,26 +37,17 @@ def test_sizes_from_empty_to_64_mib_arrive_intact(mesh, size):
 @pytest.mark.parametrize("n", [4, 8])
 def test_concurrent_all_to_all(mesh, n):
     ts = mesh(n)
-    errors: list[BaseException] = []
 
     def rank_body(t) -> None:  # type: ignore[no-untyped-def]
-        try:
-            for j in range(n):
-                if j != t.rank:
-                    t.send(j, "a2a", torch.full((100_000 + t.rank,), t.rank * 10 + j, dtype=torch.uint8))
-            for j in range(n):
-                if j != t.rank:
-                    got = t.recv(j, "a2a")
-                    assert got.numel() == 100_000 + j and bool((got == j * 10 + t.rank).all())
-        except BaseException as exc:
-            errors.append(exc)
+        for j in range(n):
+            if j != t.rank:
+                t.send(j, "a2a", torch.full((100_000 + t.rank,), t.rank * 10 + j, dtype=torch.uint8))
+        for j in range(n):
+            if j != t.rank:
+                got = t.recv(j, "a2a")
+                assert got.numel() == 100_000 + j and bool((got == j * 10 + t.rank).all())
 
-    threads = [threading.Thread(target=rank_body, args=(t,)) for t in ts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors[0]
+    on_every_rank(ts, rank_body)
 
 
 def test_tags_keep_messages_apart(mesh):

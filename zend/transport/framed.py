@@ -182,7 +182,7 @@ class LinkTransport(Communicator):
 
     # ------------------------------------------------------------------ handshake
     def _send_hs(self, link: Any, message: dict[str, object]) -> None:
-        self._send_message(link, hs.encode(message)[4:])
+        self._send_message(link, hs.dump(message))
 
     def _recv_hs(self, link: Any) -> dict[str, object]:
         data = self._recv_message(link)

@@ -3,7 +3,7 @@
 Challenge-response with HMAC-SHA256 over a shared cluster secret, both ways: the connecting
 rank proves it knows the secret, and so does the accepting one. Both also agree on the
 protocol version, cluster id, world size and membership generation; a mismatch is refused
-with an error that names the field. Messages are length-prefixed JSON (never pickle).
+with an error that names the field. Messages are JSON (never pickle).
 The functions here are pure; tcp.py does the socket I/O.
 """
 
@@ -14,13 +14,11 @@ import hmac
 import json
 import os
 import secrets
-import struct
 from dataclasses import asdict, dataclass
 
 PROTOCOL_VERSION = 1
 SECRET_ENV = "ZEN_CLUSTER_SECRET"
 SECRET_FILE_ENV = "ZEN_CLUSTER_SECRET_FILE"
-_LENGTH = struct.Struct("<I")
 MAX_HANDSHAKE_BYTES = 4096
 
 
@@ -85,16 +83,12 @@ def verify(secret: bytes, role: str, sender_nonce: str, receiver_nonce: str, who
     return hmac.compare_digest(proof(secret, role, sender_nonce, receiver_nonce, who), mac)
 
 
-def encode(message: dict[str, object]) -> bytes:
+def dump(message: dict[str, object]) -> bytes:
+    """A handshake message as bytes (each backend delimits it its own way)."""
     body = json.dumps(message).encode()
-    return _LENGTH.pack(len(body)) + body
-
-
-def decode_length(prefix: bytes) -> int:
-    (length,) = _LENGTH.unpack(prefix)
-    if length > MAX_HANDSHAKE_BYTES:
-        raise HandshakeError(f"handshake message of {length} bytes exceeds {MAX_HANDSHAKE_BYTES}")
-    return length
+    if len(body) > MAX_HANDSHAKE_BYTES:
+        raise HandshakeError(f"handshake message of {len(body)} bytes exceeds {MAX_HANDSHAKE_BYTES}")
+    return body
 
 
 def parse(body: bytes) -> dict[str, object]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zend.transport.framed import FRAME, LinkTransport, unpack_frame
+from zend.transport.handshake import MAX_HANDSHAKE_BYTES
 
 SOCKET_BUFFER_BYTES = 8 << 20
 _LENGTH = struct.Struct("<I")
@@ -77,8 +78,8 @@ class TcpTransport(LinkTransport):
         prefix = bytearray(4)
         _recv_exactly(link, memoryview(prefix))
         (length,) = _LENGTH.unpack(prefix)
-        if length > 4096:
-            raise ConnectionError(f"handshake message of {length} bytes exceeds 4096")
+        if length > MAX_HANDSHAKE_BYTES:
+            raise ConnectionError(f"handshake message of {length} bytes exceeds {MAX_HANDSHAKE_BYTES}")
         body = bytearray(length)
         _recv_exactly(link, memoryview(body))
         return bytes(body)
