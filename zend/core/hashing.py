@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
-MAX_KEY = 2**31  # hashed values must lie in [0, MAX_KEY)
 MAX_PARTS = 2**16  # (2^32 - 1) * n must fit in int64
 
 

@@ -66,10 +66,6 @@ def _mod_small(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(x >= n, x - n, x)
 
 
-def _offset_in_block(rows: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    if n & (n - 1) == 0:
-        return torch.bitwise_and(rows, n - 1)
-    return rows - blocks * n
 
 
 def _group_by_part(part_ids: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, list[int]]:
@@ -127,7 +123,7 @@ class ZenPartitioner(Partitioner):
         blocks = _floordiv(rows, n)
         if n & (n - 1) == 0:  # (h(b) + r mod n) mod n = (h(b) + r) mod n: two ops fewer
             return self.hash(blocks).add_(rows).bitwise_and_(n - 1), blocks
-        return _mod_small(self.hash(blocks).add_(_offset_in_block(rows, blocks, n)), n), blocks
+        return _mod_small(self.hash(blocks).add_(rows - blocks * n), n), blocks
 
     def split(self, grad: SparseGrad) -> list[Part]:
         rows = grad.indices.to(torch.int64)

@@ -58,6 +58,6 @@ def finish(values32: torch.Tensor, dtype: torch.dtype, average: bool, world_size
     return values32.to(dtype)
 
 
-def local_only(grad: SparseGrad, ch: Channel, name: str, average: bool) -> SyncResult:
-    """The world of one rank: the sum is the rank's own gradient."""
+def local_only(grad: SparseGrad, ch: Channel, name: str) -> SyncResult:
+    """The world of one rank: the sum (and the average) is the rank's own gradient."""
     return SyncResult(grad, name, ch.traffic, mean_input_rows=float(grad.nnz))

@@ -53,7 +53,7 @@ class HCScheme(Scheme):
         n, me = ch.world_size, ch.rank
         ch.bind_device(grad.device)
         if n == 1:
-            return local_only(grad, ch, self.name, average)
+            return local_only(grad, ch, self.name)
         rows: Rows = (grad.indices.to(torch.int64), grad.flat_values())
         power = 1 << (n.bit_length() - 1)
         extra = n - power
@@ -90,7 +90,7 @@ class AGSparseScheme(Scheme):
         n, me = ch.world_size, ch.rank
         ch.bind_device(grad.device)
         if n == 1:
-            return local_only(grad, ch, self.name, average)
+            return local_only(grad, ch, self.name)
         own = encode_units(grad.indices.to(torch.int64), grad.flat_values(), grad.num_rows, (Encoding.COO,),
                            keys_sorted=True)
         messages: list[torch.Tensor | None] = [None] * n

@@ -24,7 +24,7 @@ class DenseScheme(Scheme):
         n, me = ch.world_size, ch.rank
         ch.bind_device(grad.device)
         if n == 1:
-            return local_only(grad.coalesce(deterministic), ch, self.name, average)
+            return local_only(grad.coalesce(deterministic), ch, self.name)
         dense = grad.to_dense().reshape(-1)
         chunks = list(torch.tensor_split(dense, n))
         nxt, prev = (me + 1) % n, (me - 1) % n
