@@ -1,4 +1,4 @@
-"""The `zend` command. Today: `zend simulate`; the daemon's commands come with it."""
+"""The `zend` command: `serve`, `status`, `token` and `cluster` (the daemon), `simulate` (one process)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from zend.cluster import add_cluster_command, cmd_cluster
 from zend.core.schemes import SCHEMES
+from zend.daemon.commands import COMMANDS, add_commands
 from zend.runtime import tune_allocator
 from zend.simulate import DEFAULT_SCHEMES, DEFAULT_WORLD_SIZES, as_json_rows, format_table, simulate
 from zend.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
@@ -64,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--steps", type=int, default=2, help="steps per world size; bytes are averaged (default 2)")
     sim.add_argument("--seed", type=int, default=0, help="seeds the batches and the hash")
     sim.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    add_commands(sub)
+    add_cluster_command(sub)
     return parser
 
 
@@ -100,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "simulate":
         return cmd_simulate(args)
-    return 2
+    if args.command == "cluster":
+        return cmd_cluster(args)
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

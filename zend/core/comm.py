@@ -19,6 +19,10 @@ class CommError(RuntimeError):
     """A message could not be delivered or did not arrive; the message names the peer."""
 
 
+class CommTimeout(CommError):
+    """The peer is still connected but its message did not come in time (it may be slow, not gone)."""
+
+
 class Communicator(ABC):
     """Point-to-point messaging among `world_size` ranks.
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zend.core.comm import CommError, Communicator
+from zend.core.comm import CommError, CommTimeout, Communicator
 from zend.transport import handshake as hs
 
 log = logging.getLogger("zend.transport")
@@ -387,7 +387,7 @@ class LinkTransport(Communicator):
                     raise CommError(f"rank {self.rank}: {peer.error}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CommError(f"rank {self.rank}: no message from rank {src} (tag {tag!r}) "
+                    raise CommTimeout(f"rank {self.rank}: no message from rank {src} (tag {tag!r}) "
                                     f"within {wait} s ({peer.error or 'connected'})")
                 self._cond.wait(min(left, 0.1))
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from zend.core.comm import CommError, Communicator
+from zend.core.comm import CommError, CommTimeout, Communicator
 
 T = TypeVar("T")
 
@@ -117,5 +117,5 @@ class InProcessCommunicator(Communicator):
         try:
             return self.cluster.fetch(src, self.rank, tag, timeout_s)
         except queue.Empty:
-            raise CommError(
+            raise CommTimeout(
                 f"rank {self.rank}: no message from rank {src} (tag {tag!r}) within {timeout_s} s") from None

@@ -1,0 +1,507 @@
+"""Shared buffers between a daemon and its trainers: real sockets, real processes, no mocks.
+
+The daemon side (BufferServer) runs in the test process; trainers are subprocesses
+(tests/buffers/trainer.py) or in-process BufferClients, and misbehaving peers are raw sockets.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.buffers.trainer import Trainer
+from zend.buffers import (
+    BufferClient,
+    BufferServer,
+    ProtocolError,
+    SessionInfo,
+    SharedBuffer,
+    SharedBufferError,
+)
+from zend.buffers import protocol as wire
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Daemon:
+    """A BufferServer that knows a few sessions and records which ones closed."""
+
+    KNOWN = ("alice", "bob", "eve")
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        self.closed: list[str] = []
+        self.closed_event = threading.Event()
+        self.server = BufferServer(path, self._authenticate, on_session_closed=self._on_closed, **kwargs)
+
+    def _authenticate(self, session_id: str) -> SessionInfo | None:
+        return SessionInfo(session_id, job=f"job-of-{session_id}") if session_id in self.KNOWN else None
+
+    def _on_closed(self, session_id: str) -> None:
+        self.closed.append(session_id)
+        self.closed_event.set()
+
+
+@pytest.fixture
+def sock_path(tmp_path: Path) -> str:
+    path = str(tmp_path / "b.sock")
+    assert len(path) < 100, f"unix socket path {path!r} too long"
+    return path
+
+
+@pytest.fixture
+def daemon_factory(sock_path: str) -> Iterator[Callable[..., Daemon]]:
+    daemons: list[Daemon] = []
+
+    def make(**kwargs: Any) -> Daemon:
+        daemon = Daemon(sock_path, **kwargs)
+        daemons.append(daemon)
+        daemon.server.start()
+        return daemon
+
+    try:
+        yield make
+    finally:
+        for daemon in daemons:
+            daemon.server.close()
+
+
+@pytest.fixture
+def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Callable[[], None]]]:
+    """Callables run at teardown, last first, even when the test failed."""
+    actions: list[Callable[[], None]] = []
+    try:
+        yield actions
+    finally:
+        for action in reversed(actions):
+            action()
+
+
+def client(cleanup: list[Callable[[], None]], path: str, session: str) -> BufferClient:
+    c = BufferClient(path, session, timeout_s=10)
+    cleanup.append(c.close)
+    return c
+
+
+def trainer(cleanup: list[Callable[[], None]], path: str, session: str) -> Trainer:
+    t = Trainer(path, session)
+    cleanup.append(t.kill)
+    return t
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+# -- a trainer in another process -------------------------------------------------------------
+
+def test_trainer_and_daemon_share_the_same_memory(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    t = trainer(cleanup, server.path, "alice")
+    buffer_id = t.call(cmd="alloc", nbytes=4096)["buffer"]
+    assert server.sessions == ["alice"] and server.session_bytes("alice") == 4096 == server.pool_bytes
+
+    t.call(cmd="write", buffer=buffer_id, offset=64, values=[1.5, 2.5, 3.5])
+    view = server.get("alice", buffer_id).view(torch.float32, 64, 3)
+    assert view.tolist() == [1.5, 2.5, 3.5]
+    t.call(cmd="write", buffer=buffer_id, offset=64, values=[7.0, 8.0, 9.0])
+    assert view.tolist() == [7.0, 8.0, 9.0], "the daemon's view taken earlier sees new writes: no copy"
+
+    view[1] = -4.0  # and the other way round
+    assert t.call(cmd="read", buffer=buffer_id, offset=64, count=3)["values"] == [7.0, -4.0, 9.0]
+
+    t.call(cmd="free", buffer=buffer_id)
+    assert server.pool_bytes == 0
+    with pytest.raises(SharedBufferError, match=buffer_id):
+        server.get("alice", buffer_id)
+    assert view.tolist() == [7.0, -4.0, 9.0], "a view of a freed buffer stays memory safe"
+
+    assert t.exit() == 0
+    assert daemon.closed_event.wait(5) and daemon.closed == ["alice"]
+    assert server.sessions == []
+
+
+def test_killed_trainer_frees_its_buffers_and_leaves_nothing_in_dev_shm(
+        daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    shm_before = shm_entries()
+    t = trainer(cleanup, server.path, "alice")
+    ids = [t.call(cmd="alloc", nbytes=n)["buffer"] for n in (1 << 20, 12345)]
+    t.call(cmd="write", buffer=ids[0], offset=0, values=[1.0, 2.0])
+    held = server.get("alice", ids[0]).view(torch.float32, 0, 2)  # a daemon view outlives the session
+    assert server.pool_bytes == (1 << 20) + 12345
+
+    os.kill(t.proc.pid, signal.SIGKILL)
+    t.proc.wait(10)
+    assert wait_for(lambda: server.pool_bytes == 0), f"pool still holds {server.pool_bytes} bytes"
+    assert daemon.closed_event.wait(5) and daemon.closed == ["alice"]
+    assert server.sessions == [] and server.session_bytes("alice") == 0
+    assert held.tolist() == [1.0, 2.0]
+    del held
+    assert shm_entries() - shm_before == set()
+
+
+# -- limits -----------------------------------------------------------------------------------
+
+def test_over_limit_allocs_are_refused_naming_the_numbers_and_the_session_goes_on(
+        daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]]) -> None:
+    server = daemon_factory(max_session_bytes=8192, max_total_bytes=10000).server
+    alice = client(cleanup, server.path, "alice")
+    first = alice.alloc(8192)
+    with pytest.raises(SharedBufferError, match=r"alloc of 1 bytes refused: session 'alice' holds 8192 bytes, "
+                                                r"its limit is 8192 bytes"):
+        alice.alloc(1)
+    alice.free(first.buffer_id)
+    second = alice.alloc(4096)  # the same connection still works
+    assert server.session_bytes("alice") == 4096
+
+    bob = client(cleanup, server.path, "bob")
+    bob.alloc(4096)
+    with pytest.raises(SharedBufferError, match=r"alloc of 4096 bytes refused: the daemon's pool holds 8192 "
+                                                r"bytes, its limit is 10000 bytes"):
+        bob.alloc(4096)
+    with pytest.raises(SharedBufferError, match=r"nbytes must be >= 1, got 0"):
+        bob.alloc(0)
+    with pytest.raises(SharedBufferError, match=r"device 'cuda:0' refused"):
+        bob.alloc(16, "cuda:0")
+    assert server.pool_bytes == 8192
+    second.view(torch.uint8, 0, 4096).fill_(3)
+    assert int(server.get("alice", second.buffer_id).view(torch.uint8, 0, 4096).sum()) == 3 * 4096
+
+    alice.close()  # ending the session frees its buffers in the daemon
+    assert wait_for(lambda: server.pool_bytes == 4096)
+    bob.alloc(4096)
+
+
+# -- sessions and ownership -------------------------------------------------------------------
+
+def test_a_session_cannot_reach_another_sessions_buffer(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    alice, bob = client(cleanup, server.path, "alice"), client(cleanup, server.path, "bob")
+    buf = alice.alloc(256)
+    with pytest.raises(SharedBufferError, match=rf"buffer '{buf.buffer_id}' is not a live buffer of session 'bob'"):
+        server.get("bob", buf.buffer_id)
+    with pytest.raises(SharedBufferError, match=r"buffer 'nope' is not a live buffer of session 'alice'"):
+        server.get("alice", "nope")
+    with pytest.raises(SharedBufferError, match=rf"free: buffer '{buf.buffer_id}' is not a live buffer of session"):
+        bob.free(buf.buffer_id)
+    assert server.get("alice", buf.buffer_id).nbytes == 256
+    bob.alloc(16)  # bob's connection survived the refusal
+
+
+def test_refused_and_duplicate_sessions_and_absent_daemon(
+        daemon: Daemon, cleanup: list[Callable[[], None]], tmp_path: Path) -> None:
+    with pytest.raises(SharedBufferError, match=r"session 'mallory' refused"):
+        BufferClient(daemon.server.path, "mallory")
+    client(cleanup, daemon.server.path, "alice")
+    with pytest.raises(SharedBufferError, match=r"session 'alice' refused: it is already connected"):
+        BufferClient(daemon.server.path, "alice")
+    absent = str(tmp_path / "none.sock")
+    with pytest.raises(ConnectionError, match=absent):
+        BufferClient(absent, "alice")
+    assert daemon.server.sessions == ["alice"]
+
+
+def test_close_frees_everything_and_removes_the_socket(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    alice = client(cleanup, server.path, "alice")
+    alice.alloc(1000)
+    server.close()
+    assert server.pool_bytes == 0 and server.sessions == [] and daemon.closed == ["alice"]
+    assert not os.path.exists(server.path)
+    with pytest.raises((ConnectionError, SharedBufferError)):
+        alice.alloc(10)
+    server.close()  # idempotent
+
+
+# -- peers that misbehave ---------------------------------------------------------------------
+
+def frame(body: object) -> bytes:
+    data = json.dumps(body).encode()
+    return struct.pack("<I", len(data)) + data
+
+
+HELLO_EVE = frame({"op": "hello", "session": "eve"})
+GARBAGE = {
+    "random bytes": random.Random(0).randbytes(3000),
+    "huge length": struct.pack("<I", 0xFFFFFFFF) + b"{}",
+    "length over 64 KiB": struct.pack("<I", (64 << 10) + 1) + b"x" * 100,
+    "zero length": struct.pack("<I", 0),
+    "invalid json": struct.pack("<I", 9) + b"{not json",
+    "invalid utf-8": struct.pack("<I", 4) + b"\xff\xfe\xfd\xfc",
+    "json array": frame([1, 2, 3]),
+    "deeply nested": struct.pack("<I", 60000) + b"[" * 60000,
+    "alloc before hello": frame({"op": "alloc", "nbytes": 10, "device": "cpu"}),
+    "unknown session": frame({"op": "hello", "session": "mallory"}),
+    "hello without session": frame({"op": "hello"}),
+    "session not a string": frame({"op": "hello", "session": 5}),
+    "unknown op": HELLO_EVE + frame({"op": "steal"}),
+    "nbytes a string": HELLO_EVE + frame({"op": "alloc", "nbytes": "10", "device": "cpu"}),
+    "nbytes a bool": HELLO_EVE + frame({"op": "alloc", "nbytes": True, "device": "cpu"}),
+    "bad device": HELLO_EVE + frame({"op": "alloc", "nbytes": 10, "device": "tpu:0"}),
+    "second hello": HELLO_EVE + HELLO_EVE,
+    "truncated message": struct.pack("<I", 100) + b'{"op":',
+}
+
+
+def raw_exchange(path: str, data: bytes, fd: int | None = None, prefix: bytes = b"") -> list[dict[str, Any]]:
+    """Send ``prefix``, then ``data`` (with ``fd`` attached), then read replies until the daemon closes the
+    connection (or 5 s pass)."""
+    replies: list[dict[str, Any]] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(path)
+        try:
+            if prefix:
+                sock.sendall(prefix)
+                replies.append(wire.recv_message(sock).body)
+            if fd is None:
+                sock.sendall(data)
+            else:
+                socket.send_fds(sock, [data], [fd])
+            if data.startswith(struct.pack("<I", 100)):
+                sock.shutdown(socket.SHUT_WR)  # the truncated message ends here
+            while True:
+                message = wire.recv_message(sock)
+                if message.fd is not None:
+                    os.close(message.fd)
+                replies.append(message.body)
+        except (ConnectionError, BrokenPipeError):
+            return replies  # dropped
+        except TimeoutError:
+            replies.append({"still": "open"})
+            return replies
+
+
+@pytest.mark.parametrize("case", sorted(GARBAGE))
+def test_garbage_drops_only_that_connection(case: str, daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    alice = client(cleanup, server.path, "alice")
+    held = alice.alloc(4096)
+    held.view(torch.int64, 0, 1)[0] = 42
+
+    replies = raw_exchange(server.path, GARBAGE[case])
+    assert {"still": "open"} not in replies, f"{case}: the connection was not dropped"
+    errors = [r for r in replies if r.get("ok") is False]
+    assert errors or not replies, f"{case}: {replies}"
+
+    assert server.get("alice", held.buffer_id).view(torch.int64, 0, 1).item() == 42
+    assert alice.alloc(64).nbytes == 64, "the well-behaved session still works"
+    assert client(cleanup, server.path, "bob").alloc(64).nbytes == 64, "new sessions still work"
+    assert sorted(server.sessions) == ["alice", "bob"]
+    assert server.pool_bytes == 4096 + 64 + 64
+
+
+def test_an_attached_fd_or_another_sessions_buffer_id_gets_nothing(
+        daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    alice = client(cleanup, server.path, "alice")
+    held = alice.alloc(4096)
+
+    # eve names alice's buffer: refused, eve's connection stays usable
+    replies = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as eve:
+        eve.settimeout(5)
+        eve.connect(server.path)
+        for body in ({"op": "hello", "session": "eve"}, {"op": "free", "buffer": held.buffer_id},
+                     {"op": "alloc", "nbytes": 8, "device": "cpu"}):
+            wire.send_message(eve, body)
+            message = wire.recv_message(eve)
+            if message.fd is not None:
+                os.close(message.fd)
+            replies.append(message.body)
+    assert replies[0]["ok"] and replies[2]["ok"]
+    assert replies[1] == {"ok": False, "error": f"free: buffer {held.buffer_id!r} is not a live buffer of "
+                                                 "session 'eve'"}
+
+    # a request with a file descriptor attached (eve's own memfd, claiming alice's buffer id): dropped
+    assert wait_for(lambda: server.sessions == ["alice"])  # eve's connection is closed on both sides
+    fds_before = len(os.listdir("/proc/self/fd"))
+    fake = SharedBuffer.create(4096, held.buffer_id)
+    try:
+        replies = raw_exchange(server.path, frame({"op": "free", "buffer": held.buffer_id}), fd=fake.fileno(),
+                               prefix=HELLO_EVE)
+        assert replies[0]["ok"] and "no file descriptor" in replies[-1]["error"] and len(replies) == 2
+        replies = raw_exchange(server.path, HELLO_EVE, fd=fake.fileno())
+        assert len(replies) == 1 and "no file descriptor" in replies[0]["error"]
+    finally:
+        fake.close()
+    assert wait_for(lambda: len(os.listdir("/proc/self/fd")) == fds_before), "the daemon leaked a received fd"
+    assert server.get("alice", held.buffer_id) is not None
+    assert alice.alloc(8).nbytes == 8
+
+
+def test_many_garbage_connections_at_once_do_not_disturb_a_working_session(
+        daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    server = daemon.server
+    alice = client(cleanup, server.path, "alice")
+    errors: list[BaseException] = []
+
+    def attack() -> None:
+        try:
+            for case in sorted(GARBAGE):
+                raw_exchange(server.path, GARBAGE[case])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=attack) for _ in range(3)]
+    for th in threads:
+        th.start()
+    try:
+        for _ in range(50):
+            alice.free(alice.alloc(128).buffer_id)
+    finally:
+        for th in threads:
+            th.join(30)
+    assert not errors and server.pool_bytes == 0 and server.sessions == ["alice"]
+
+
+def test_protocol_rejects_malformed_requests_naming_the_problem() -> None:
+    with pytest.raises(ProtocolError, match=r"alloc: missing field 'device'"):
+        wire.parse_request({"op": "alloc", "nbytes": 5})
+    with pytest.raises(ProtocolError, match=r"field 'nbytes' must be int, got bool"):
+        wire.parse_request({"op": "alloc", "nbytes": False, "device": "cpu"})
+    with pytest.raises(ProtocolError, match=r"device 'cuda:x' is not"):
+        wire.parse_request({"op": "alloc", "nbytes": 5, "device": "cuda:x"})
+    with pytest.raises(ProtocolError, match=r"unknown op 'drop'"):
+        wire.parse_request({"op": "drop"})
+    with pytest.raises(ProtocolError, match=r"exceeds 65536"):
+        wire.encode({"op": "hello", "session": "x" * (64 << 10)})
+    assert wire.parse_request({"op": "alloc", "nbytes": 5, "device": "cuda:3"}) == wire.Alloc(5, "cuda:3")
+
+
+# -- the socket file --------------------------------------------------------------------------
+
+def test_socket_is_not_world_writable_and_a_live_path_is_not_taken_over(
+        daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    path = daemon.server.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    client(cleanup, path, "alice")
+    second = BufferServer(path, lambda s: None)
+    start = time.monotonic()
+    with pytest.raises(OSError, match=f"buffer socket '{path}' is in use by a live daemon") as info:
+        second.start()
+    assert info.value.errno == errno.EADDRINUSE and time.monotonic() - start < 3
+    second.close()
+    assert os.path.exists(path), "the failed server must not remove the live daemon's socket"
+    assert daemon.server.sessions == ["alice"]
+
+
+def test_a_stale_socket_file_is_replaced_and_other_files_are_not(
+        sock_path: str, daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(sock_path)  # a daemon that died without removing its socket
+    assert stat.S_ISSOCK(os.stat(sock_path).st_mode)
+    server = daemon_factory().server
+    assert client(cleanup, sock_path, "alice").alloc(8).nbytes == 8
+    server.close()
+
+    Path(sock_path).write_text("not a socket")
+    with pytest.raises(OSError, match=f"buffer socket path '{sock_path}' exists and is not a socket"):
+        BufferServer(sock_path, lambda s: None).start()
+    assert Path(sock_path).read_text() == "not a socket"
+
+
+# -- SharedBuffer on its own ------------------------------------------------------------------
+
+def test_view_bounds_and_alignment_errors_name_the_values() -> None:
+    buf = SharedBuffer.create(64, "b1")
+    try:
+        with pytest.raises(SharedBufferError, match=r"offset=2 is not aligned to the 4-byte items of torch.float32"):
+            buf.view(torch.float32, 2, 1)
+        with pytest.raises(SharedBufferError, match=r"offset=60, count=2 torch.float32 ends at byte 68, "
+                                                    r"past nbytes=64"):
+            buf.view(torch.float32, 60, 2)
+        with pytest.raises(SharedBufferError, match=r"count must be an integer >= 0, got -1"):
+            buf.view(torch.float32, 0, -1)
+        with pytest.raises(SharedBufferError, match=r"offset must be an integer >= 0, got -8"):
+            buf.view(torch.float64, -8, 1)
+        assert buf.view(torch.float64, 56, 1).shape == (1,) and buf.view(torch.uint8, 64, 0).numel() == 0
+        whole = buf.view(torch.int32, 0, 16)
+        buf.view(torch.int32, 60, 1)[0] = 7
+        assert whole[15].item() == 7
+    finally:
+        buf.close()
+    buf.close()  # idempotent
+    with pytest.raises(SharedBufferError, match=r"buffer 'b1' is closed"):
+        buf.view(torch.uint8, 0, 1)
+    assert whole[15].item() == 7, "views taken before close stay readable until dropped"
+    with pytest.raises(SharedBufferError, match=r"nbytes must be an integer >= 1, got 0"):
+        SharedBuffer.create(0, "b2")
+
+
+def test_attach_checks_the_descriptor() -> None:
+    owner = SharedBuffer.create(4096, "b3")
+    fd = os.dup(owner.fileno())
+    try:
+        with pytest.raises(SharedBufferError, match=rf"fd {fd} holds 4096 bytes, fewer than nbytes=8192"):
+            SharedBuffer.attach(fd, 8192, "b3")
+        other = SharedBuffer.attach(fd, 4096, "b3")
+        fd = -1  # owned by `other` now
+        other.view(torch.float32, 0, 2).copy_(torch.tensor([1.0, 2.0]))
+        assert owner.view(torch.float32, 0, 2).tolist() == [1.0, 2.0]
+        other.close()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        owner.close()
+    unsealed = os.memfd_create("unsealed")
+    try:
+        os.ftruncate(unsealed, 4096)
+        with pytest.raises(SharedBufferError, match=rf"fd {unsealed} is not sealed against shrinking"):
+            SharedBuffer.attach(unsealed, 4096, "b4")
+    finally:
+        os.close(unsealed)
+
+
+# -- CUDA requests where there is no GPU (the GPU path itself is in tests/gpu) -------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
+def test_cuda_requests_without_a_gpu_are_refused_naming_the_device(
+        daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]]) -> None:
+    server = daemon_factory(cuda_pool=True).server
+    alice = client(cleanup, server.path, "alice")
+    with pytest.raises(SharedBufferError, match=r"device 'cuda:0' is absent here \(0 CUDA devices\)"):
+        alice.alloc(64, "cuda:0")
+    assert server.pool_bytes == 0 and alice.alloc(64).nbytes == 64
+    with pytest.raises(SharedBufferError, match=r"invalid request: alloc: device 'gpu' is not"):
+        alice.alloc(64, "gpu")
+    assert alice.alloc(64).nbytes == 64, "a bad request is refused by the client, the session lives on"
+
+
+def test_a_malformed_cuda_handle_names_the_field() -> None:
+    from zend.buffers import CudaBuffer
+
+    with pytest.raises(ProtocolError, match=r"cuda_ipc handle: missing field 'buffer'"):
+        CudaBuffer.open({"nbytes": 4})
+    with pytest.raises(ProtocolError, match=r"field 'nbytes' must be int, got str"):
+        CudaBuffer.open({"buffer": "x", "nbytes": "4"})
+    with pytest.raises(SharedBufferError, match=r"device 'cpu' is not 'cuda:N'"):
+        CudaBuffer.open({"buffer": "x", "nbytes": 4, "device": "cpu"})

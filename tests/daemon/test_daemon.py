@@ -1,0 +1,289 @@
+"""Real zend daemons (one process per node) with trainers: sums, bad requests, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from tests.daemon.conftest import run_all, status_code
+from zend.api.zen.v1 import zen_pb2 as pb
+from zend.core.sparse import SparseGrad
+from zend.trainer import TrainerLink
+
+
+def random_grad(rows: int, dim: int, seed: int, dtype: torch.dtype = torch.float32) -> SparseGrad:
+    g = torch.Generator().manual_seed(seed)
+    nnz = int(torch.randint(0, rows // 2, (1,), generator=g))
+    idx = torch.randint(0, rows, (nnz,), generator=g)  # duplicates on purpose: the daemon coalesces
+    return SparseGrad(idx, torch.randn(nnz, dim, generator=g).to(dtype), rows)
+
+
+def test_four_nodes_two_trainer_processes_each_get_the_reference_sum(cluster4):
+    """8 trainer processes (zend.workload) push real-trace gradients; each checks every step's sum."""
+    procs = []
+    for node in range(4):
+        for r in range(2):
+            env = {**os.environ, "ZEN_JOB_TOKEN": cluster4.token("trace")}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "zend.workload", "--socket-dir", cluster4.socket_dir(node), "--job", "trace",
+                 "--local-rank", str(r), "--local-world-size", "2", "--node", str(node), "--nodes", "4",
+                 "--steps", "3", "--dim", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert len(lines) == 3 and all('"ok": true' in line for line in lines), out
+
+
+@pytest.mark.parametrize(("dtype", "dense", "average"), [(torch.float16, False, True), (torch.bfloat16, False, False),
+                                                          (torch.float32, True, True)])
+def test_every_dtype_dense_layout_and_average(cluster4, dtype, dense, average):
+    job = f"kinds-{dtype}-{dense}"
+    rows, dim, steps = 300, 8, 2
+
+    def trainer(node: int, local: int) -> list[torch.Tensor]:
+        with TrainerLink(cluster4.socket_dir(node), job, cluster4.token(job), local, 2) as link:
+            h = link.register("w", (rows, dim), dtype=dtype, dense=dense, average=average)
+            out = []
+            for step in range(steps):
+                g = random_grad(rows, dim, 100 * step + 10 * node + local, dtype)
+                if dense:
+                    g = SparseGrad(torch.arange(rows), g.to_dense(), rows, coalesced=True)
+                out.append(link.allreduce(h, g, step).to_dense().float())
+            return out
+
+    results = run_all([lambda n=n, r=r: trainer(n, r) for n in range(4) for r in range(2)])
+    for step in range(steps):
+        ref = sum(random_grad(rows, dim, 100 * step + 10 * n + r, dtype).to_dense().float()
+                  for n in range(4) for r in range(2))
+        assert isinstance(ref, torch.Tensor)
+        if average:
+            ref = ref / 8
+        tol = 1e-5 if dtype == torch.float32 else 5e-2
+        for got in results:
+            assert not isinstance(got, BaseException), got
+            torch.testing.assert_close(got[step], ref, rtol=tol, atol=tol)
+
+
+def _one_trainer_per_node(cluster, job, body, nodes=4):  # type: ignore[no-untyped-def]
+    def run(node: int):  # type: ignore[no-untyped-def]
+        with TrainerLink(cluster.socket_dir(node), job, cluster.token(job), 0, 1, timeout_s=30) as link:
+            return body(node, link)
+    return run_all([lambda n=n: run(n) for n in range(nodes)])
+
+
+def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(cluster4):
+    def body(node, link):  # type: ignore[no-untyped-def]
+        h = link.register("emb", (100, 16 if node == 2 else 8))
+        return link.allreduce(h, random_grad(100, 16 if node == 2 else 8, node), 0)
+
+    results = _one_trainer_per_node(cluster4, "mismatch", body)
+    for r in results:
+        assert status_code(r) == "INVALID_ARGUMENT"
+        assert "node 2 has shape=[100, 16] but node 0 has shape=[100, 8]" in r.details()
+
+
+def _session(cluster, node=0, job="bad", local_world_size=1):  # type: ignore[no-untyped-def]
+    return TrainerLink(cluster.socket_dir(node), job, cluster.token(job), 0, local_world_size, timeout_s=10)
+
+
+def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4):
+    link = _session(cluster4)
+    try:
+        h = link.register("emb", (100, 4))
+        stub, md, sid = link.stub, link.metadata, link.session_id
+        good_in = link.buffers.alloc(4096)
+
+        def submit(**kw):  # type: ignore[no-untyped-def]
+            req = {"session_id": sid, "tensor_id": h.tensor_id, "step": 0, "nnz": 1,
+                   "input": pb.BufferRef(buffer_id=good_in.buffer_id), "result": pb.BufferRef(
+                       buffer_id=h.result.buffer_id)}
+            req.update(kw)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Submit(pb.SubmitRequest(**req), metadata=md, timeout=10)
+            return err.value.code().name, err.value.details()
+
+        assert submit(tensor_id=12345) == ("NOT_FOUND", "tensor id 12345 is not registered in job 'bad'")
+        code, msg = submit(nnz=10_000)
+        assert code == "INVALID_ARGUMENT" and "holds 4096 bytes" in msg and "nnz=10000" in msg
+        good_in.view(torch.int64, 0, 1).fill_(100)
+        code, msg = submit()
+        assert code == "INVALID_ARGUMENT" and "index 100 out of range for 100 rows" in msg
+        code, msg = submit(input=pb.BufferRef(buffer_id="nope"))
+        assert code == "INVALID_ARGUMENT" and "'nope'" in msg
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterTensor(pb.RegisterTensorRequest(session_id=sid, name="x", shape=[4], dtype=9,
+                                                         layout=pb.DENSE), metadata=md, timeout=10)
+        assert err.value.code().name == "INVALID_ARGUMENT" and "dtype 9" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            link.register("emb", (100, 5))
+        assert err.value.code().name == "INVALID_ARGUMENT" and "already registered" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterTensor(pb.RegisterTensorRequest(session_id=sid, name="x" * (2 << 20), shape=[4],
+                                                         dtype=pb.FLOAT32, layout=pb.DENSE), metadata=md, timeout=10)
+        assert err.value.code().name == "RESOURCE_EXHAUSTED"
+        # another job's token, and another job's session
+        other = cluster4.token("other")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Submit(pb.SubmitRequest(session_id=sid, tensor_id=h.tensor_id), metadata=(
+                ("authorization", f"Bearer {other}"),), timeout=10)
+        assert err.value.code().name == "UNAUTHENTICATED" and "not job 'bad'" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(pb.OpenSessionRequest(job_id="bad", local_world_size=1), metadata=(
+                ("authorization", f"Bearer {other}"),), timeout=10)
+        assert err.value.code().name == "UNAUTHENTICATED"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(pb.OpenSessionRequest(job_id="bad", local_world_size=1), timeout=10)
+        assert err.value.code().name == "UNAUTHENTICATED" and "authorization" in err.value.details()
+        with _session(cluster4, job="other") as intruder:
+            with pytest.raises(grpc.RpcError) as err:  # job 'other' cannot reach job 'bad''s tensor
+                intruder.stub.Submit(pb.SubmitRequest(session_id=intruder.session_id, tensor_id=h.tensor_id,
+                                                      input=pb.BufferRef(buffer_id=good_in.buffer_id),
+                                                      result=pb.BufferRef(buffer_id=h.result.buffer_id)),
+                                     metadata=intruder.metadata, timeout=10)
+            assert err.value.code().name == "NOT_FOUND" and "job 'other'" in err.value.details()
+    finally:
+        link.close()
+    # garbage on both sockets, then the daemon still serves a full step on every node
+    for name in ("zend.sock", "buffers.sock"):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(os.path.join(cluster4.socket_dir(0), name))
+            s.sendall(os.urandom(4096))
+            time.sleep(0.2)
+    results = _one_trainer_per_node(cluster4, "after-garbage", lambda node, link: link.allreduce(
+        link.register("emb", (50, 2)), random_grad(50, 2, node), 0).to_dense())
+    ref = sum(random_grad(50, 2, n).to_dense() for n in range(4))
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        torch.testing.assert_close(r, ref)
+
+
+def test_deadline_exceeded_when_a_local_trainer_never_submits(cluster4):
+    with _session(cluster4, job="late", local_world_size=2) as link:
+        h = link.register("emb", (10, 2))
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            link.allreduce(h, random_grad(10, 2, 0), 0, timeout_s=1.5)
+        assert err.value.code().name == "DEADLINE_EXCEEDED"
+        assert time.monotonic() - t0 < 5
+
+
+def test_repeated_submission_returns_the_same_result(cluster4):
+    def body(node, link):  # type: ignore[no-untyped-def]
+        h = link.register("emb", (40, 2))
+        first = link.allreduce(h, random_grad(40, 2, node), 7)
+        again = link.allreduce(h, random_grad(40, 2, node + 100), 7)  # step 7 again: not summed twice
+        return first.to_dense(), again.to_dense()
+
+    for first, again in _one_trainer_per_node(cluster4, "repeat", body):
+        torch.testing.assert_close(first, again)
+
+
+def test_status_reports_peers_sessions_and_tensors(cluster4):
+    run = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir", cluster4.socket_dir(1)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    status = json.loads(run.stdout)
+    assert status["node_rank"] == 1 and status["node_count"] == 4 and status["transport"] == "tcp"
+    assert sorted(int(p["rank"]) for p in status["peers"]) == [0, 2, 3]
+    assert all(p["connected"] for p in status["peers"])
+    assert any(t["name"] == "wte" and int(t["steps"]) >= 1 for t in status["tensors"])
+
+
+def test_a_killed_peer_daemon_gives_every_trainer_unavailable_in_bounded_time(fresh_cluster):
+    c = fresh_cluster(4, extra=["--peer-timeout-s", "5", "--step-timeout-s", "60", "--log-format", "text"])
+    start = time.monotonic()
+
+    def body(node: int):  # type: ignore[no-untyped-def]
+        with TrainerLink(c.socket_dir(node), "j", c.token("j"), 0, 1, timeout_s=60) as link:
+            h = link.register("emb", (100, 4))
+            if node == 3:
+                time.sleep(1.0)
+                c.kill(3, signal.SIGKILL)  # mid-step: nodes 0-2 are waiting for node 3's messages
+                return None
+            return link.allreduce(h, random_grad(100, 4, node), 0)
+
+    results = run_all([lambda n=n: body(n) for n in range(4)])
+    elapsed = time.monotonic() - start
+    for r in results[:3]:
+        assert status_code(r) == "UNAVAILABLE" and "rank 3" in r.details(), r
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+
+
+def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cluster):
+    c = fresh_cluster(1, extra=["--log-format", "text"])
+    script = (
+        "import sys, time, torch\n"
+        "from zend.trainer import TrainerLink\n"
+        "from zend.core.sparse import SparseGrad\n"
+        f"link = TrainerLink({c.socket_dir(0)!r}, 'j', {c.token('j')!r}, 1, 2)\n"
+        "h = link.register('emb', (1000, 64))\n"
+        "link.buffers.alloc(8 << 20)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n")
+    victim = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
+        with TrainerLink(c.socket_dir(0), "j", c.token("j"), 0, 2, timeout_s=30) as partner:
+            h = partner.register("emb", (1000, 64))
+
+            def submit():  # type: ignore[no-untyped-def]
+                return partner.allreduce(h, random_grad(1000, 64, 1), 0)
+
+            def kill():  # type: ignore[no-untyped-def]
+                time.sleep(0.5)
+                victim.kill()
+
+            t0 = time.monotonic()
+            result, _ = run_all([submit, kill])
+            assert status_code(result) == "UNAVAILABLE" and "disconnected" in result.details()
+            assert time.monotonic() - t0 < 10
+            mine = h.result.nbytes + h.input.nbytes  # what the partner still holds
+            deadline = time.monotonic() + 10
+            while pool_bytes(c, 0) > mine and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert pool_bytes(c, 0) == mine
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def pool_bytes(cluster, node: int) -> int:  # type: ignore[no-untyped-def]
+    from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix:{os.path.join(cluster.socket_dir(node), 'zend.sock')}") as ch:
+        return int(pb_grpc.OperatorStub(ch).Status(pb.StatusRequest(), timeout=10).buffer_pool_bytes)
+
+
+def test_bad_config_and_a_port_that_will_not_bind_fail_at_once(tmp_path):
+    env = {**os.environ, "ZEN_CLUSTER_SECRET": "x" * 32}
+    run = subprocess.run([sys.executable, "-m", "zend", "serve", "--scheme", "magic"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert run.returncode == 2 and "scheme='magic' (from flag)" in run.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "zend", "serve", "--socket-dir", str(tmp_path),
+                              "--metrics-host", "127.0.0.1", "--metrics-port", str(port)],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert run.returncode == 1 and "Address already in use" in run.stderr, run.stderr
+        assert time.monotonic() - t0 < 30
+    run = subprocess.run([sys.executable, "-m", "zend", "serve", "--socket-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "ZEN_CLUSTER_SECRET": "short"})
+    assert run.returncode == 2 and "at least 16 are required" in run.stderr

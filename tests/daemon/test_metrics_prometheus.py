@@ -1,0 +1,66 @@
+"""A real Prometheus server scrapes real daemons; the key series are queryable after a few steps."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tests.daemon.conftest import run_all
+from tests.daemon.prometheus import PrometheusServer, prometheus_binary
+from tests.daemon.test_daemon import random_grad
+from zend.trainer import TrainerLink
+
+pytestmark = pytest.mark.skipif(prometheus_binary() is None,
+                                reason="needs the prometheus server binary (Debian package 'prometheus'; "
+                                       ".ci/run installs it)")
+
+KEY_SERIES = [
+    'zen_sync_duration_seconds_count{phase="total"} > 0',
+    'zen_sync_duration_seconds_count{phase="exchange"} > 0',
+    "zen_sent_bytes_total > 0",
+    "zen_received_bytes_total > 0",
+    "zen_dense_equivalent_bytes_total > 0",
+    "zen_saved_bytes_total > 0",
+    "zen_steps_total > 0",
+    'zen_tensor_input_rows{zen_job="metrics",tensor="emb"} > 0',
+    'zen_tensor_output_rows{zen_job="metrics",tensor="emb"} > 0',
+    'zen_tensor_density{zen_job="metrics",tensor="emb"} > 0',
+    'zen_tensor_densification{zen_job="metrics",tensor="emb"} >= 1',
+    'zen_push_imbalance{zen_job="metrics",tensor="emb"} >= 1',
+    'zen_pull_imbalance{zen_job="metrics",tensor="emb"} >= 1',
+    'zen_scheme_chosen{zen_job="metrics",tensor="emb"} == 1',
+    'zen_errors_total{code="NOT_FOUND"} > 0',
+    "zen_peer_up == 1",
+    "zen_connected_trainers",
+    "zen_steps_in_flight",
+    "zen_buffer_pool_bytes",
+    'zen_node_info{transport="tcp"} == 1',
+    "zen_membership_generation",
+]
+
+
+def test_prometheus_scrapes_every_key_series(fresh_cluster, tmp_path):
+    c = fresh_cluster(2, extra=["--log-format", "text", "--scheme", "zen"])
+
+    def trainer(node: int) -> None:
+        with TrainerLink(c.socket_dir(node), "metrics", c.token("metrics"), 0, 1) as link:
+            h = link.register("emb", (500, 8))
+            for step in range(3):
+                link.allreduce(h, random_grad(500, 8, 10 * step + node), step)
+            with pytest.raises(grpc.RpcError):  # one error, so the error series has data
+                h.tensor_id += 1
+                link.allreduce(h, random_grad(500, 8, 0), 9)
+
+    assert all(r is None for r in run_all([lambda n=n: trainer(n) for n in range(2)]))
+    targets = [f"127.0.0.1:{p}" for p in c.metrics_ports]
+    with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5) as prom:
+        for expr in KEY_SERIES:
+            deadline = time.monotonic() + 30
+            while True:  # until both daemons have been scraped
+                instances = {r["metric"].get("instance") for r in prom.wait_for(expr, timeout_s=30)}
+                if instances == set(targets) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+            assert instances == set(targets), f"{expr}: only {instances}"

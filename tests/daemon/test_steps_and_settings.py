@@ -1,0 +1,185 @@
+"""The daemon's pure parts: step bookkeeping, tensor layout, jobs and tokens, settings."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from zend.core.sparse import SparseGrad, SparseGradError
+from zend.daemon import errors as codes
+from zend.daemon.errors import StepError
+from zend.daemon.jobs import JobRegistry, job_token, tensor_id
+from zend.daemon.settings import SettingsError, resolve
+from zend.daemon.steps import StepKey, StepTable
+from zend.daemon.tensors import TensorSpec, align, local_sum
+
+
+def test_step_starts_when_every_local_trainer_has_submitted_and_repeats_join_it():
+    table = StepTable()
+    key = StepKey("job", 1, 5)
+    step, start = table.join(key, 0, "s0", "part0", expected=2)
+    assert not start and step.missing() == [1]
+    again, start = table.join(key, 0, "s0", "part0-again", expected=2)
+    assert again is step and not start and step.parts[0] == "part0"  # idempotent
+    _, start = table.join(key, 1, "s1", "part1", expected=2)
+    assert start and step.started
+    table.finish(step, result="sum")
+    late, start = table.join(key, 1, "s1", "whatever", expected=2)
+    assert late is step and not start and late.result == "sum" and late.done.is_set()
+
+
+def test_past_and_out_of_order_steps_are_refused_with_the_step_numbers():
+    table = StepTable()
+    step, _ = table.join(StepKey("j", 1, 7), 0, "s", "p", expected=1)
+    table.finish(step, result="r")
+    with pytest.raises(StepError, match=r"step 3 .* step 7 has already") as err:
+        table.join(StepKey("j", 1, 3), 0, "s", "p", expected=1)
+    assert err.value.code == codes.FAILED_PRECONDITION
+    table.join(StepKey("j", 1, 9), 0, "s", "p", expected=2)
+    with pytest.raises(StepError, match=r"step 8 .* after step 9"):
+        table.join(StepKey("j", 1, 8), 1, "s2", "p", expected=2)
+
+
+def test_a_departed_trainer_fails_the_unstarted_steps_of_its_job_only():
+    table = StepTable()
+    waiting, _ = table.join(StepKey("j", 1, 1), 0, "alive", "p", expected=2)  # waits for local rank 1
+    other, _ = table.join(StepKey("k", 2, 1), 0, "alive", "p", expected=2)
+    failed = table.abandon("j", StepError(codes.UNAVAILABLE, "trainer gone"))
+    assert failed == [waiting] and waiting.error is not None and waiting.error.code == codes.UNAVAILABLE
+    assert not other.done.is_set() and table.in_flight() == 1
+    # a failure before the start is not final: the step can be submitted again
+    retry, _ = table.join(StepKey("j", 1, 1), 1, "alive", "p", expected=2)
+    assert retry is not waiting
+
+
+def test_steps_expire_when_a_trainer_never_comes():
+    table = StepTable()
+    step, _ = table.join(StepKey("j", 1, 1), 0, "s", "p", expected=2)
+    assert table.expire(10.0, lambda s: StepError(codes.DEADLINE_EXCEEDED, "late")) == []
+    expired = table.expire(0.0, lambda s: StepError(codes.DEADLINE_EXCEEDED, f"missing {s.missing()}"))
+    assert expired == [step] and step.error is not None and "missing [1]" in step.error.message
+
+
+def test_waiters_of_one_step_all_see_its_end():
+    table = StepTable()
+    key = StepKey("j", 1, 1)
+    seen = []
+    step, _ = table.join(key, 0, "a", "p", expected=2)
+    t = threading.Thread(target=lambda: seen.append(step.done.wait(5) and step.result))
+    t.start()
+    table.join(key, 1, "b", "p", expected=2)
+    table.finish(step, result="done")
+    t.join(5)
+    assert seen == ["done"]
+
+
+def _buffer(nbytes: int) -> tuple[torch.Tensor, object]:
+    raw = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def view(dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+        size = torch.empty(0, dtype=dtype).element_size()
+        return raw[offset: offset + count * size].view(dtype)
+    return raw, view
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_sparse_rows_layout_round_trips_through_a_buffer(dtype):
+    spec = TensorSpec("j", "emb", (100, 3, 2), dtype, "sparse_rows", False)
+    grad = SparseGrad(torch.tensor([7, 2, 99]), torch.randn(3, 3, 2).to(spec.dtype), 100, "emb")
+    assert spec.nbytes(3) == align(24) + 3 * 6 * spec.itemsize
+    _, view = _buffer(spec.nbytes(3) + 64)
+    spec.write(grad, view, 64)
+    back = spec.read(view, 64, 3)
+    assert torch.equal(back.indices, grad.indices) and torch.equal(back.values, grad.values)
+
+
+def test_dense_layout_round_trips_and_writes_zeros_where_the_result_has_no_row():
+    spec = TensorSpec("j", "w", (4, 2), "float32", "dense", True)
+    _, view = _buffer(spec.max_bytes)
+    spec.write(SparseGrad(torch.tensor([1, 3]), torch.ones(2, 2), 4, "w"), view, 0)
+    assert torch.equal(spec.read(view, 0, 0).values, torch.tensor([[0.0, 0], [1, 1], [0, 0], [1, 1]]))
+
+
+def test_reading_a_bad_gradient_names_the_value():
+    spec = TensorSpec("j", "emb", (10, 2), "float32", "sparse_rows", False)
+    _, view = _buffer(spec.nbytes(1))
+    view(torch.int64, 0, 1).fill_(10)
+    with pytest.raises(SparseGradError, match="index 10 out of range for 10 rows"):
+        spec.read(view, 0, 1)
+    view(torch.int64, 0, 1).fill_(3)
+    view(torch.float32, align(8), 2).fill_(float("nan"))
+    with pytest.raises(SparseGradError, match="non-finite value nan in row 3"):
+        spec.read(view, 0, 1)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"dtype_name": "int8"}, "dtype 'int8'"),
+    ({"layout": "csr"}, "layout 'csr'"),
+    ({"shape": (0, 4)}, r"shape \[0, 4\]"),
+    ({"name": ""}, "tensor name"),
+])
+def test_tensor_spec_errors_name_the_value(kwargs, message):
+    base = {"job": "j", "name": "t", "shape": (4, 4), "dtype_name": "float32", "layout": "dense", "average": False}
+    with pytest.raises(SparseGradError, match=message):
+        TensorSpec(**{**base, **kwargs})
+
+
+def test_local_sum_adds_the_trainers_parts_in_float32():
+    spec = TensorSpec("j", "emb", (10, 2), "float16", "sparse_rows", False)
+    a = SparseGrad(torch.tensor([1, 5]), torch.ones(2, 2, dtype=torch.float16), 10)
+    b = SparseGrad(torch.tensor([5, 9, 5]), torch.ones(3, 2, dtype=torch.float16), 10)
+    total = local_sum(spec, [a, b])
+    assert total.coalesced and total.indices.tolist() == [1, 5, 9]
+    assert total.values[:, 0].tolist() == [1.0, 3.0, 1.0]
+
+
+def test_job_tokens_sessions_and_tensor_ids():
+    secret = b"s" * 32
+    reg = JobRegistry(secret)
+    reg.check_token("a", job_token(secret, "a"))
+    with pytest.raises(StepError, match="not job 'b'") as err:
+        reg.check_token("b", job_token(secret, "a"))
+    assert err.value.code == codes.UNAUTHENTICATED
+    s0 = reg.open_session("a", 0, 2, pid=11)
+    with pytest.raises(StepError, match="local rank 0 of job 'a' is already taken by pid 11"):
+        reg.open_session("a", 0, 2, pid=12)
+    with pytest.raises(StepError, match="runs 2 trainers on this node, not 3"):
+        reg.open_session("a", 1, 3, pid=12)
+    with pytest.raises(StepError, match="belongs to another job"):
+        reg.session(s0.session_id, "b")
+    spec = TensorSpec("a", "emb", (10, 2), "float32", "sparse_rows", False)
+    state = reg.register(s0, spec, lambda: "scheme")
+    assert state.tensor_id == tensor_id("a", "emb") != tensor_id("b", "emb")
+    with pytest.raises(StepError, match="already registered"):
+        reg.register(s0, TensorSpec("a", "emb", (10, 3), "float32", "sparse_rows", False), lambda: "scheme")
+
+
+def test_settings_come_from_flags_then_environment_then_file(tmp_path):
+    config = tmp_path / "zend.toml"
+    config.write_text('scheme = "zen"\nhash_seed = 3\nmetrics_port = 9500\n')
+    s = resolve({"hash_seed": 5}, env={"ZEND_METRICS_PORT": "9600"}, config_file=str(config))
+    assert (s.scheme, s.hash_seed, s.metrics_port) == ("zen", 5, 9600)
+    assert s.sources["hash_seed"] == "flag" and s.sources["metrics_port"] == "$ZEND_METRICS_PORT"
+
+
+@pytest.mark.parametrize(("flags", "env", "message"), [
+    ({"world_size": 2, "rank": 2, "peers": "tcp://a:1,tcp://b:2"}, {}, r"rank=2 \(from flag\): must be in \[0, 2\)"),
+    ({"world_size": 3, "peers": "tcp://a:1,tcp://b:2"}, {}, "lists 2 addresses for a world size of 3"),
+    ({"world_size": 2, "peers": "tcp://a:1,http://b:2"}, {}, "scheme 'http'"),
+    ({}, {"ZEND_SCHEME": "magic"}, r"scheme='magic' \(from \$ZEND_SCHEME\)"),
+    ({}, {"ZEND_STEP_TIMEOUT_S": "soon"}, r"step_timeout_s='soon' \(from \$ZEND_STEP_TIMEOUT_S\) is not a valid float"),
+    ({"world_size": 2}, {}, "more than one node needs peers or rendezvous"),
+    ({"metrics_port": 70000}, {}, "metrics_port=70000"),
+])
+def test_bad_settings_name_the_setting_value_and_source(flags, env, message):
+    with pytest.raises(SettingsError, match=message):
+        resolve(flags, env=env)
+
+
+def test_config_file_with_an_unknown_setting_is_refused(tmp_path):
+    config = tmp_path / "zend.toml"
+    config.write_text("shceme = 'zen'\n")
+    with pytest.raises(SettingsError, match="unknown setting 'shceme'"):
+        resolve({}, env={}, config_file=str(config))

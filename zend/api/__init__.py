@@ -1,0 +1,1 @@
+"""Generated gRPC and protobuf stubs (scripts/gen_protos.py)."""

@@ -1,0 +1,250 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+
+class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYOUT_UNSPECIFIED: _ClassVar[Layout]
+    SPARSE_ROWS: _ClassVar[Layout]
+    DENSE: _ClassVar[Layout]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+LAYOUT_UNSPECIFIED: Layout
+SPARSE_ROWS: Layout
+DENSE: Layout
+
+class BufferRef(_message.Message):
+    __slots__ = ("buffer_id", "offset")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    offset: int
+    def __init__(self, buffer_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("job_id", "local_rank", "local_world_size", "pid")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    local_rank: int
+    local_world_size: int
+    pid: int
+    def __init__(self, job_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session_id", "buffer_socket", "node_rank", "node_count", "generation", "daemon_version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    buffer_socket: str
+    node_rank: int
+    node_count: int
+    generation: int
+    daemon_version: str
+    def __init__(self, session_id: _Optional[str] = ..., buffer_socket: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterTensorRequest(_message.Message):
+    __slots__ = ("session_id", "name", "shape", "dtype", "layout", "average")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    layout: Layout
+    average: bool
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., average: _Optional[bool] = ...) -> None: ...
+
+class RegisterTensorReply(_message.Message):
+    __slots__ = ("tensor_id", "scheme", "max_result_bytes")
+    TENSOR_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tensor_id: int
+    scheme: str
+    max_result_bytes: int
+    def __init__(self, tensor_id: _Optional[int] = ..., scheme: _Optional[str] = ..., max_result_bytes: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("session_id", "tensor_id", "step", "input", "nnz", "result")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tensor_id: int
+    step: int
+    input: BufferRef
+    nnz: int
+    result: BufferRef
+    def __init__(self, session_id: _Optional[str] = ..., tensor_id: _Optional[int] = ..., step: _Optional[int] = ..., input: _Optional[_Union[BufferRef, _Mapping]] = ..., nnz: _Optional[int] = ..., result: _Optional[_Union[BufferRef, _Mapping]] = ...) -> None: ...
+
+class PhaseSeconds(_message.Message):
+    __slots__ = ("phase", "seconds")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    seconds: float
+    def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("nnz", "scheme", "bytes_sent", "bytes_received", "dense_bytes", "phases")
+    NNZ_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    nnz: int
+    scheme: str
+    bytes_sent: int
+    bytes_received: int
+    dense_bytes: int
+    phases: _containers.RepeatedCompositeFieldContainer[PhaseSeconds]
+    def __init__(self, nnz: _Optional[int] = ..., scheme: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("rank", "address", "connected", "error")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    connected: bool
+    error: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TensorStatus(_message.Message):
+    __slots__ = ("job_id", "name", "tensor_id", "shape", "dtype", "layout", "scheme", "last_step", "steps", "last_sync_seconds", "last_nnz_in", "last_nnz_out", "last_bytes_sent", "last_push_imbalance", "last_pull_imbalance")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ID_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_NNZ_IN_FIELD_NUMBER: _ClassVar[int]
+    LAST_NNZ_OUT_FIELD_NUMBER: _ClassVar[int]
+    LAST_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_PULL_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    tensor_id: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    layout: Layout
+    scheme: str
+    last_step: int
+    steps: int
+    last_sync_seconds: float
+    last_nnz_in: int
+    last_nnz_out: int
+    last_bytes_sent: int
+    last_push_imbalance: float
+    last_pull_imbalance: float
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., tensor_id: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., scheme: _Optional[str] = ..., last_step: _Optional[int] = ..., steps: _Optional[int] = ..., last_sync_seconds: _Optional[float] = ..., last_nnz_in: _Optional[int] = ..., last_nnz_out: _Optional[int] = ..., last_bytes_sent: _Optional[int] = ..., last_push_imbalance: _Optional[float] = ..., last_pull_imbalance: _Optional[float] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "job_id", "local_rank", "pid", "buffer_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    job_id: str
+    local_rank: int
+    pid: int
+    buffer_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    UCX_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    node_count: int
+    generation: int
+    cluster_id: str
+    membership: str
+    transport: str
+    ucx_transports: _containers.RepeatedScalarFieldContainer[str]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorStatus]
+    steps_in_flight: int
+    draining: bool
+    daemon_version: str
+    buffer_pool_bytes: int
+    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("completed", "abandoned")
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    completed: int
+    abandoned: int
+    def __init__(self, completed: _Optional[int] = ..., abandoned: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,22 @@
+"""Shared buffers between trainers and their node's daemon: gradient bytes never go through gRPC.
+
+The daemon owns every buffer (:class:`BufferServer`); a trainer asks for them over a unix
+socket (:class:`BufferClient`) and maps the same memory: :class:`SharedBuffer` on the CPU
+(memfd), :class:`CudaBuffer` on a GPU (CUDA IPC). The wire format is in :mod:`.protocol`.
+"""
+
+from zend.buffers.client import BufferClient
+from zend.buffers.cuda import CudaBuffer
+from zend.buffers.protocol import ProtocolError
+from zend.buffers.server import BufferServer, SessionInfo
+from zend.buffers.shared import SharedBuffer, SharedBufferError
+
+__all__ = [
+    "BufferClient",
+    "BufferServer",
+    "CudaBuffer",
+    "ProtocolError",
+    "SessionInfo",
+    "SharedBuffer",
+    "SharedBufferError",
+]

@@ -1,0 +1,161 @@
+"""The trainer side of the buffer socket: ask the node's daemon for shared buffers.
+
+The connection is the trainer's session: while it is open the daemon keeps the session's
+buffers; closing it (or the trainer dying) frees them in the daemon. Thread safe: one request
+at a time goes over the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from typing import Any
+
+from zend.buffers import protocol as wire
+from zend.buffers.cuda import CudaBuffer
+from zend.buffers.shared import SharedBuffer, SharedBufferError
+
+
+class BufferClient:
+    """A session with the daemon's buffer pool.
+
+    Example::
+
+        with BufferClient("/run/zend/buffers.sock", session_id) as buffers:
+            buf = buffers.alloc(1 << 20)
+            grad = buf.view(torch.float32, 0, 1000)   # write the gradient here, in place
+
+    Raises:
+        ConnectionError: no daemon listens at ``path`` (or it went away later).
+        TimeoutError: the daemon did not answer within ``timeout_s``.
+        SharedBufferError: the daemon refused the session or a request (its message).
+    """
+
+    def __init__(self, path: str, session_id: str, timeout_s: float = 10.0) -> None:
+        self.path = path
+        self.session_id = session_id
+        self._lock = threading.Lock()
+        self._buffers: dict[str, SharedBuffer] = {}
+        self._sock: socket.socket | None = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise ConnectionError(f"no zend daemon at buffer socket {path!r}: {exc.strerror}") from exc
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"cannot connect to buffer socket {path!r}: {exc.strerror or exc}") from exc
+        self._sock = sock
+        try:
+            self._request({"op": "hello", "session": session_id})
+        except BaseException:
+            self.close()
+            raise
+
+    def alloc(self, nbytes: int, device: str = "cpu") -> SharedBuffer:
+        """A new zero-filled buffer of ``nbytes`` bytes from the daemon ("cpu", or "cuda:N" as a CudaBuffer)."""
+        with self._lock:
+            reply, fd = self._exchange({"op": "alloc", "nbytes": nbytes, "device": device})
+            buffer_id: str | None = None
+            try:
+                buffer_id = wire.reply_field(reply, "buffer", str)
+                buffer = self._map(reply, buffer_id, nbytes, fd)
+            except BaseException:
+                if fd is not None:
+                    os.close(fd)
+                if buffer_id is not None:
+                    with contextlib.suppress(Exception):  # do not leave the daemon holding what we cannot use
+                        self._exchange({"op": "free", "buffer": buffer_id}, expect_fd=False)
+                raise
+            self._buffers[buffer_id] = buffer
+            return buffer
+
+    @staticmethod
+    def _map(reply: dict[str, Any], buffer_id: str, nbytes: int, fd: int | None) -> SharedBuffer:
+        """This side's buffer for an alloc reply; on success it owns ``fd``."""
+        got = wire.reply_field(reply, "nbytes", int)
+        if got != nbytes:
+            raise wire.ProtocolError(f"alloc reply for {nbytes} bytes describes buffer {buffer_id!r} of {got} bytes")
+        if "cuda_ipc" in reply:
+            buffer = CudaBuffer.open(wire.reply_field(reply, "cuda_ipc", dict))
+            if buffer.buffer_id != buffer_id or buffer.nbytes != got:
+                buffer.close()
+                raise wire.ProtocolError(f"alloc reply for buffer {buffer_id!r} holds the handle of buffer "
+                                         f"{buffer.buffer_id!r} of {buffer.nbytes} bytes")
+            return buffer
+        if fd is None:
+            raise wire.ProtocolError(f"alloc reply for buffer {buffer_id!r} came without its descriptor")
+        return SharedBuffer.attach(fd, got, buffer_id)
+
+    def free(self, buffer: str) -> None:
+        """Give buffer ``buffer`` (its id) back to the daemon and close this side's mapping."""
+        with self._lock:
+            self._exchange({"op": "free", "buffer": buffer}, expect_fd=False)
+            local = self._buffers.pop(buffer, None)
+        if local is not None:
+            local.close()
+
+    def close(self) -> None:
+        """End the session: the daemon frees its buffers; this side's buffers are closed too. Idempotent."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a request waiting for its reply in another thread
+        with self._lock:
+            sock, self._sock = self._sock, None
+            buffers = list(self._buffers.values())
+            self._buffers.clear()
+        if sock is not None:
+            sock.close()
+        for buffer in buffers:
+            buffer.close()
+
+    def __enter__(self) -> BufferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            reply, _ = self._exchange(body, expect_fd=False)
+            return reply
+
+    def _exchange(self, body: dict[str, Any], *, expect_fd: bool = True) -> tuple[dict[str, Any], int | None]:
+        """Send a request, receive its reply; SharedBufferError with the daemon's message on refusal."""
+        try:
+            wire.parse_request(body)  # what the daemon would drop the connection for is refused here
+        except wire.ProtocolError as exc:
+            raise SharedBufferError(f"invalid request: {exc}") from exc
+        sock = self._sock
+        if sock is None:
+            raise SharedBufferError(f"buffer client of session {self.session_id!r} is closed")
+        try:
+            wire.send_message(sock, body)
+            message = wire.recv_message(sock)
+        except BaseException as exc:
+            self._sock = None  # a late or partial reply would desynchronise the stream: the session is over
+            sock.close()
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"zend daemon at {self.path!r} did not answer {body.get('op')!r} in time") from exc
+            if isinstance(exc, ConnectionError):
+                raise ConnectionError(f"zend daemon at {self.path!r} closed the buffer socket: {exc}") from exc
+            raise
+        fd = message.fd
+        if fd is not None and not expect_fd:
+            os.close(fd)
+            fd = None
+        try:
+            error = wire.check_reply(message.body)
+            if error is not None:
+                raise SharedBufferError(f"zend daemon refused {body.get('op')!r}: {error}")
+        except BaseException:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        return message.body, fd

@@ -1,0 +1,215 @@
+"""GPU buffers: daemon-owned CUDA memory that a trainer on the same node opens by CUDA IPC handle.
+
+The daemon allocates the buffer (``torch.empty`` of bytes) and exports it with torch's own
+storage sharing (``untyped_storage()._share_cuda_()``, what ``torch.multiprocessing`` uses); the
+handle travels as a JSON-able dict (bytes as base64) and the trainer rebuilds the tensor with
+``rebuild_cuda_tensor``. Only daemon -> trainer: the trainer trusts its daemon, and the daemon
+never unpickles or opens anything a trainer sends.
+
+Isolation: a CUDA IPC handle opens the whole allocation it points into, not just one tensor.
+Each buffer is therefore allocated in a private ``torch.cuda.MemPool`` so its allocation holds
+nothing else (no other session's buffer, no daemon working tensor), and it is zeroed before it
+is handed out, so a new tenant never reads an old one's gradients.
+
+Lifetime (torch's rule, kept): after the daemon frees a buffer, torch keeps the memory until the
+trainer has released its mapping (closed the buffer or exited). If the trainer is killed with
+a signal it never releases it, and that memory stays reserved in the daemon until the daemon
+exits; ``pool_bytes`` no longer counts it. Device numbers ("cuda:N") are the daemon's: a
+trainer must see the same numbering (the same CUDA_VISIBLE_DEVICES). CUDA is initialised only
+when a CUDA buffer is made or opened: CPU-only installs never touch it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import re
+from typing import Any, Self
+
+import torch
+
+from zend.buffers.protocol import ProtocolError
+from zend.buffers.shared import SharedBuffer, SharedBufferError, check_view_range
+
+log = logging.getLogger("zend.buffers")
+
+_CUDA_DEVICE = re.compile(r"cuda:([0-9]+)")
+
+
+class CudaBuffer(SharedBuffer):
+    """A buffer in GPU memory with the interface of :class:`SharedBuffer`; ``view`` returns CUDA tensors.
+
+    The daemon makes one with :meth:`create` and hands :meth:`export` to the trainer, which
+    calls :meth:`open`. There is no file descriptor: :meth:`fileno` and :meth:`attach` refuse.
+    """
+
+    def __init__(self, buffer_id: str, tensor: torch.Tensor, pool: Any, *, owner: bool) -> None:
+        """Internal: use :meth:`create` or :meth:`open`."""
+        super().__init__(buffer_id, tensor.numel(), -1, None)
+        self.device = str(tensor.device)
+        self._tensor: torch.Tensor | None = tensor
+        self._pool = pool  # the private MemPool the allocation lives in, held as long as the buffer
+        self._owner = owner
+        self._handle: dict[str, Any] | None = None
+
+    @classmethod
+    def create(cls, nbytes: int, buffer_id: str, device: str = "cuda:0") -> Self:
+        """A new zero-filled buffer of ``nbytes`` bytes on ``device`` ("cuda:N"), alone in its allocation."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
+        dev = _cuda_device(device, buffer_id)
+        pool = _private_pool()
+        try:
+            if pool is None:
+                tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            else:
+                with torch.cuda.use_mem_pool(pool, device=dev):
+                    tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            tensor.zero_()
+            torch.cuda.synchronize(dev)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            raise SharedBufferError(f"buffer {buffer_id!r}: cannot allocate {nbytes} bytes on {device}: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+        return cls(buffer_id, tensor, pool, owner=True)
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int, buffer_id: str) -> Self:
+        raise SharedBufferError(f"buffer {buffer_id!r}: CUDA buffers travel as IPC handles, not fd {fd}; "
+                                "use CudaBuffer.open")
+
+    @classmethod
+    def open(cls, handle: dict[str, Any]) -> Self:
+        """The trainer side of a buffer from the daemon's :meth:`export` dict.
+
+        Raises:
+            ProtocolError: a field is missing or has the wrong type.
+            SharedBufferError: the device is absent here or CUDA cannot open the handle.
+        """
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if not isinstance(handle, dict):
+            raise ProtocolError(f"cuda_ipc handle must be an object, got {type(handle).__name__}")
+        buffer_id = _get(handle, "buffer", str)
+        nbytes = _get(handle, "nbytes", int)
+        device = _get(handle, "device", str)
+        dev = _cuda_device(device, buffer_id)
+        storage_size = _get(handle, "storage_size_bytes", int)
+        storage_offset = _get(handle, "storage_offset_bytes", int)
+        if nbytes < 1 or storage_size < nbytes or storage_offset < 0:
+            raise ProtocolError(f"cuda_ipc handle of buffer {buffer_id!r}: nbytes={nbytes}, "
+                                f"storage_size_bytes={storage_size}, storage_offset_bytes={storage_offset} "
+                                "do not describe a buffer")
+        try:
+            tensor = rebuild_cuda_tensor(
+                torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, dev.index,
+                _get_bytes(handle, "handle"), storage_size, storage_offset, False,
+                _get_bytes(handle, "ref_counter_handle"), _get(handle, "ref_counter_offset", int),
+                _get_bytes(handle, "event_handle", optional=True), _get(handle, "event_sync_required", bool),
+            )
+        except RuntimeError as exc:
+            raise SharedBufferError(f"buffer {buffer_id!r}: cannot open its CUDA IPC handle on {device}: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+        return cls(buffer_id, tensor, None, owner=False)
+
+    def export(self) -> dict[str, Any]:
+        """The JSON-able CUDA IPC handle for :meth:`open` in one trainer process.
+
+        Exported once per buffer (the same dict on every call): torch counts one reference per
+        export, and the one process that opens it gives that reference back when it closes.
+        """
+        with self._lock:
+            tensor = self._live()
+            if not self._owner:
+                raise SharedBufferError(f"buffer {self.buffer_id!r} was opened from a handle; only its creator "
+                                        "exports it")
+            if self._handle is None:
+                (_, handle, storage_size, storage_offset, ref_handle, ref_offset, event_handle,
+                 event_sync) = tensor.untyped_storage()._share_cuda_()
+                self._handle = {
+                    "buffer": self.buffer_id, "nbytes": self.nbytes, "device": self.device,
+                    "handle": _b64(handle), "storage_size_bytes": int(storage_size),
+                    "storage_offset_bytes": int(storage_offset), "ref_counter_handle": _b64(ref_handle),
+                    "ref_counter_offset": int(ref_offset),
+                    "event_handle": None if event_handle is None else _b64(event_handle),
+                    "event_sync_required": bool(event_sync),
+                }
+            return dict(self._handle)
+
+    @property
+    def closed(self) -> bool:
+        return self._tensor is None
+
+    def fileno(self) -> int:
+        raise SharedBufferError(f"buffer {self.buffer_id!r} on {self.device} has no file descriptor: "
+                                "it travels as a CUDA IPC handle (export/open)")
+
+    def view(self, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+        """A 1-D zero-copy CUDA tensor over bytes ``[offset, offset + count * itemsize)``."""
+        nbytes = check_view_range(self, dtype, offset, count)
+        with self._lock:
+            tensor = self._live()
+            return tensor[offset:offset + nbytes].view(dtype)
+
+    def close(self) -> None:
+        """Drop this side's reference; idempotent. Views keep the memory until they are dropped."""
+        with self._lock:
+            if self._tensor is None:
+                return
+            self._tensor = None
+            self._pool = None
+        if self._owner:
+            try:
+                torch.cuda.ipc_collect()  # free blocks whose trainers have let go
+            except RuntimeError as exc:
+                log.warning("buffer %s: torch.cuda.ipc_collect failed: %s", self.buffer_id, exc)
+
+    def _live(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise SharedBufferError(f"buffer {self.buffer_id!r} is closed")
+        return self._tensor
+
+
+def _cuda_device(device: str, buffer_id: str) -> torch.device:
+    match = _CUDA_DEVICE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
+        raise SharedBufferError(f"buffer {buffer_id!r}: device {device!r} is not 'cuda:N'")
+    index = int(match.group(1))
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= available:
+        raise SharedBufferError(f"buffer {buffer_id!r}: device {device!r} is absent here "
+                                f"({available} CUDA devices)")
+    return torch.device("cuda", index)
+
+
+def _private_pool() -> Any:
+    """A fresh MemPool that never splits its segments, or None where this torch has none."""
+    pool_cls = getattr(torch.cuda, "MemPool", None)
+    if pool_cls is None or not hasattr(torch.cuda, "use_mem_pool"):
+        log.warning("torch %s has no torch.cuda.MemPool: CUDA buffers share allocations with other tensors",
+                    torch.__version__)
+        return None
+    return pool_cls(no_split=True)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _get(handle: dict[str, Any], name: str, kind: type) -> Any:
+    if name not in handle:
+        raise ProtocolError(f"cuda_ipc handle: missing field {name!r}")
+    value = handle[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(f"cuda_ipc handle: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _get_bytes(handle: dict[str, Any], name: str, *, optional: bool = False) -> bytes | None:
+    if optional and handle.get(name) is None:
+        return None
+    text = _get(handle, name, str)
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError(f"cuda_ipc handle: field {name!r} is not base64: {exc}") from exc

@@ -1,0 +1,153 @@
+"""CPU buffers in anonymous shared memory: how gradient bytes reach the daemon without a copy.
+
+A buffer is a memfd (``os.memfd_create``) mapped with ``mmap``: it has no name in /dev/shm, so
+nothing is left behind when a process dies, and the memory goes away when the last file
+descriptor and the last mapping are gone. The daemon creates the buffer and sends the descriptor
+over the buffer socket; the trainer maps the same pages. The file is sealed against shrinking
+and growing, so a peer cannot truncate it under the other side's mapping (which would turn its
+next access into SIGBUS).
+
+Views are ``torch.frombuffer`` tensors over the mapping. torch keeps a reference to the mmap
+object but does not hold its buffer export, so ``mmap.close()`` would succeed under live views
+and leave them pointing at unmapped memory (a segfault, not an exception). ``close()`` therefore
+never unmaps: it drops its reference and the mapping goes away with the last view.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import threading
+from typing import Self
+
+import torch
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SharedBufferError(ValueError):
+    """A buffer request that cannot be served: bad id, bad size, out-of-range view, closed buffer."""
+
+
+class SharedBuffer:
+    """A CPU buffer in anonymous shared memory (os.memfd_create + mmap): no name in /dev/shm, so nothing can leak.
+
+    Create it with :meth:`create` (the owner) or :meth:`attach` (the side that received the file
+    descriptor). Thread safe: views may be taken while another thread closes the buffer.
+    """
+
+    buffer_id: str
+    nbytes: int
+    device: str
+
+    def __init__(self, buffer_id: str, nbytes: int, fd: int, mm: mmap.mmap | None) -> None:
+        """Internal: use :meth:`create` or :meth:`attach`."""
+        self.buffer_id = buffer_id
+        self.nbytes = nbytes
+        self.device = "cpu"
+        self._fd = fd
+        self._mm = mm
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, nbytes: int, buffer_id: str) -> Self:
+        """A new zero-filled buffer of ``nbytes`` (at least 1) bytes."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
+        fd = os.memfd_create(f"zend-buffer-{buffer_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, OverflowError, ValueError) as exc:
+            os.close(fd)
+            raise SharedBufferError(f"buffer {buffer_id!r}: cannot allocate {nbytes} bytes of shared memory: "
+                                    f"{exc}") from exc
+        return cls(buffer_id, nbytes, fd, mm)
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int, buffer_id: str) -> Self:
+        """Map ``nbytes`` of a descriptor received from the other side.
+
+        The descriptor must be a memfd sealed against shrinking and hold at least ``nbytes``
+        bytes. On success the buffer owns ``fd`` (``close()`` closes it); on failure the caller
+        still owns it.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
+        try:
+            size = os.fstat(fd).st_size
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise SharedBufferError(f"buffer {buffer_id!r}: fd {fd} is not a sealed memfd: {exc}") from exc
+        if size < nbytes:
+            raise SharedBufferError(f"buffer {buffer_id!r}: fd {fd} holds {size} bytes, fewer than nbytes={nbytes}")
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise SharedBufferError(f"buffer {buffer_id!r}: fd {fd} is not sealed against shrinking (seals {seals:#x})")
+        try:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            raise SharedBufferError(f"buffer {buffer_id!r}: cannot map {nbytes} bytes of fd {fd}: {exc}") from exc
+        return cls(buffer_id, nbytes, fd, mm)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def fileno(self) -> int:
+        """The memfd, to send to the other side with ``socket.send_fds``."""
+        with self._lock:
+            if self._mm is None:
+                raise SharedBufferError(f"buffer {self.buffer_id!r} is closed")
+            return self._fd
+
+    def view(self, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+        """A 1-D zero-copy tensor over bytes ``[offset, offset + count * itemsize)``.
+
+        ``offset`` must be a multiple of the dtype's item size. The view shares memory with the
+        other side: writes are visible there at once (synchronise through the protocol above).
+        """
+        nbytes = check_view_range(self, dtype, offset, count)
+        with self._lock:
+            if self._mm is None:
+                raise SharedBufferError(f"buffer {self.buffer_id!r} is closed")
+            if nbytes == 0:
+                return torch.empty(0, dtype=dtype)
+            return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
+
+    def close(self) -> None:
+        """Close the descriptor and drop the mapping; idempotent.
+
+        Views taken before must not be used any more: they are no longer part of this buffer
+        (the daemon may have freed it from its pool). They stay memory safe, though: the mapping
+        is released when the last of them is dropped, never under them.
+        """
+        with self._lock:
+            if self._mm is None:
+                return
+            self._mm = None  # unmapped by the mmap object's finaliser, after the last view
+            os.close(self._fd)
+            self._fd = -1
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"{type(self).__name__}({self.buffer_id!r}, nbytes={self.nbytes}, device={self.device!r}, {state})"
+
+
+def check_view_range(buffer: SharedBuffer, dtype: torch.dtype, offset: int, count: int) -> int:
+    """The byte length of a view of ``count`` items at ``offset``; SharedBufferError naming the values if bad."""
+    if not isinstance(dtype, torch.dtype):
+        raise SharedBufferError(f"buffer {buffer.buffer_id!r}: dtype must be a torch.dtype, got {dtype!r}")
+    for name, value in (("offset", offset), ("count", count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SharedBufferError(f"buffer {buffer.buffer_id!r}: {name} must be an integer >= 0, got {value!r}")
+    itemsize = dtype.itemsize
+    if offset % itemsize:
+        raise SharedBufferError(f"buffer {buffer.buffer_id!r}: offset={offset} is not aligned to the "
+                                f"{itemsize}-byte items of {dtype}")
+    end = offset + count * itemsize
+    if end > buffer.nbytes:
+        raise SharedBufferError(f"buffer {buffer.buffer_id!r}: view of offset={offset}, count={count} {dtype} "
+                                f"ends at byte {end}, past nbytes={buffer.nbytes}")
+    return end - offset

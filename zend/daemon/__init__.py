@@ -1,0 +1,1 @@
+"""The per-node daemon: membership, settings, jobs and the service that trainers talk to."""

@@ -1,0 +1,134 @@
+"""`zend serve`, `zend status`, `zend token`: the daemon's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import fields
+from typing import Any
+
+from zend.daemon.settings import Settings, SettingsError, resolve
+
+log = logging.getLogger("zend.daemon")
+HELP = {
+    "rank": "this node's rank", "world_size": "number of nodes",
+    "peers": "comma-separated data-plane URIs of every node, in rank order (tcp://HOST:PORT or ucx://HOST:PORT)",
+    "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it), or 'env' for MASTER_ADDR/MASTER_PORT/RANK/"
+                  "WORLD_SIZE", "listen": "this node's data-plane URI (default: its entry in --peers)",
+    "transport": "tcp, ucx or auto", "secret_file": "file with the cluster secret (or $ZEN_CLUSTER_SECRET_FILE / "
+                                                    "$ZEN_CLUSTER_SECRET; never on the command line)",
+    "socket_dir": "folder of the trainer sockets zend.sock and buffers.sock",
+    "grpc_listen": "extra HOST:PORT for the gRPC services (operators, probes)",
+    "metrics_port": "Prometheus port (0: off)",
+}
+
+
+def add_commands(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the zend daemon of this node",
+                           description="Run the zend daemon. Every flag also reads ZEND_<NAME> (e.g. ZEND_WORLD_SIZE) "
+                                       "and the TOML file given by --config or $ZEND_CONFIG; flags win.")
+    serve.add_argument("--config", default=None, help="TOML file of settings (names as the flags, with _)")
+    for f in fields(Settings):
+        if f.name == "sources":
+            continue
+        kind = {int: int, float: float}.get(type(f.default), str) if f.name != "peers" else str
+        serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
+                           help=f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
+                           if f.name != "peers" else HELP["peers"])
+    status = sub.add_parser("status", help="show a running daemon's members, peers, tensors and steps")
+    status.add_argument("--socket-dir", default=os.environ.get("ZEND_SOCKET_DIR", "/run/zend"))
+    status.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
+    status.add_argument("--drain", type=float, default=None, metavar="SECONDS",
+                        help="ask the daemon to drain (finish steps in flight, refuse new ones)")
+    token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon)")
+    token.add_argument("--job", required=True)
+    token.add_argument("--secret-file", default=None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from zend.daemon.logs import setup_logging
+    from zend.daemon.server import Daemon
+
+    flags = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name != "sources"}
+    try:
+        settings = resolve(flags, config_file=args.config)
+    except SettingsError as exc:
+        print(f"zend serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_format, settings.log_level)
+    daemon = Daemon(settings) if _secret_ok(settings) else None
+    if daemon is None:
+        return 2
+    stop_requested = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop_requested.append(signum)
+        log.info("signal received, draining", extra={"event": "signal", "signal": signal.Signals(signum).name})
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+    except Exception as exc:  # a port that will not bind, a peer that never comes: stop now, say why
+        log.error("start failed", extra={"event": "start_failed", "error": str(exc)})
+        print(f"zend serve: {exc}", file=sys.stderr)
+        daemon.stop()
+        return 1
+    while not stop_requested and not daemon.wait(0.2):
+        pass
+    daemon.drain(settings.drain_timeout_s)
+    daemon.stop()
+    return 0
+
+
+def _secret_ok(settings: Settings) -> bool:
+    from zend.transport.handshake import HandshakeError, load_secret
+
+    try:
+        load_secret(settings.secret_file or None)
+    except (OSError, HandshakeError) as exc:
+        print(f"zend serve: cluster secret: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from zend.api.zen.v1 import zen_pb2 as pb
+    from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+
+    address = args.address or f"unix:{os.path.join(args.socket_dir, 'zend.sock')}"
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.OperatorStub(channel)
+        try:
+            if args.drain is not None:
+                reply = stub.Drain(pb.DrainRequest(timeout_seconds=args.drain), timeout=args.drain + 10)
+            else:
+                reply = stub.Status(pb.StatusRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"zend status: daemon at {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True,
+                                   always_print_fields_with_no_presence=True), indent=1))
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from zend.daemon.jobs import job_token
+    from zend.transport.handshake import HandshakeError, load_secret
+
+    try:
+        print(job_token(load_secret(args.secret_file), args.job))
+    except (OSError, HandshakeError) as exc:
+        print(f"zend token: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "status": cmd_status, "token": cmd_token}

@@ -1,0 +1,120 @@
+"""Jobs, their trainer sessions and their registered tensors, and who may touch what.
+
+A job's token is HMAC(cluster secret, job id): every daemon of the cluster can check it
+without shared state, and the operator hands it to the job's trainers (`zend token`). A
+trainer can only open sessions in the job its token names, and only reach that job's tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from zend.daemon.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, StepError
+from zend.daemon.tensors import TensorSpec
+
+MAX_JOB_ID = 128
+
+
+def job_token(secret: bytes, job: str) -> str:
+    return hmac.new(secret, b"zen-job-token\0" + job.encode(), hashlib.sha256).hexdigest()
+
+
+def tensor_id(job: str, name: str) -> int:
+    """The same on every node whatever the order of registration (tags on the wire use it)."""
+    return int.from_bytes(hashlib.blake2b(f"{job}\0{name}".encode(), digest_size=4).digest(), "little")
+
+
+def job_key(job: str) -> str:
+    return hashlib.blake2b(job.encode(), digest_size=6).hexdigest()
+
+
+@dataclass
+class Session:
+    session_id: str
+    job: str
+    local_rank: int
+    local_world_size: int
+    pid: int
+    claimed: bool = False  # its buffer connection is up
+    last_step: dict[int, int] = field(default_factory=dict)  # tensor id -> last step submitted
+
+
+@dataclass
+class TensorState:
+    spec: TensorSpec
+    tensor_id: int
+    local_world_size: int
+    scheme: Any  # the scheme object (auto keeps state across steps)
+    agreed: bool = False  # the nodes have checked they describe it alike
+    stats: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one sync of a tensor at a time, in step order
+
+
+class JobRegistry:
+    def __init__(self, secret: bytes):
+        self._secret = secret
+        self._lock = threading.Lock()
+        self.sessions: dict[str, Session] = {}
+        self.tensors: dict[tuple[str, int], TensorState] = {}
+
+    def check_token(self, job: str, token: str) -> None:
+        if not job or len(job) > MAX_JOB_ID or not job.isprintable():
+            raise StepError(INVALID_ARGUMENT, f"job id {job[:40]!r} must be 1 to {MAX_JOB_ID} printable characters")
+        if not hmac.compare_digest(job_token(self._secret, job), token):
+            raise StepError(UNAUTHENTICATED, f"the token given is not job {job!r}'s token")
+
+    def open_session(self, job: str, local_rank: int, local_world_size: int, pid: int) -> Session:
+        if local_world_size < 1 or not 0 <= local_rank < local_world_size:
+            raise StepError(INVALID_ARGUMENT, f"local_rank {local_rank} outside local_world_size {local_world_size}")
+        with self._lock:
+            for s in self.sessions.values():
+                if s.job != job:
+                    continue
+                if s.local_world_size != local_world_size:
+                    raise StepError(FAILED_PRECONDITION, f"job {job!r} runs {s.local_world_size} trainers on this node,"
+                                                         f" not {local_world_size}")
+                if s.local_rank == local_rank:
+                    raise StepError(FAILED_PRECONDITION, f"local rank {local_rank} of job {job!r} is already taken "
+                                                         f"by pid {s.pid}")
+            session = Session(secrets.token_hex(16), job, local_rank, local_world_size, pid)
+            self.sessions[session.session_id] = session
+            return session
+
+    def session(self, session_id: str, job: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise StepError(NOT_FOUND, f"session {session_id[:12]!r} is not open on this daemon")
+        if s.job != job:
+            raise StepError(UNAUTHENTICATED, f"session {session_id[:12]!r} belongs to another job than {job!r}")
+        return s
+
+    def close_session(self, session_id: str) -> Session | None:
+        with self._lock:
+            return self.sessions.pop(session_id, None)
+
+    def register(self, session: Session, spec: TensorSpec, make_scheme: Any) -> TensorState:
+        tid = tensor_id(spec.job, spec.name)
+        with self._lock:
+            state = self.tensors.get((spec.job, tid))
+            if state is None:
+                state = TensorState(spec, tid, session.local_world_size, make_scheme())
+                self.tensors[(spec.job, tid)] = state
+                return state
+        if state.spec.name != spec.name:
+            raise StepError(FAILED_PRECONDITION, f"tensor {spec.name!r} collides with {state.spec.name!r} "
+                                                 f"(id {tid}); rename one")
+        if state.spec != spec:
+            raise StepError(INVALID_ARGUMENT, f"tensor {spec.name!r} of job {spec.job!r} is already registered as "
+                                              f"{state.spec.describe()}, not {spec.describe()}")
+        return state
+
+    def tensor(self, job: str, tid: int) -> TensorState:
+        state = self.tensors.get((job, tid))
+        if state is None:
+            raise StepError(NOT_FOUND, f"tensor id {tid} is not registered in job {job!r}")
+        return state

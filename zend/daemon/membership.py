@@ -1,0 +1,337 @@
+"""Who is in the cluster: every rank's data-plane address, the generation, and the settings all agreed on.
+
+Ranks that disagree on a setting (a hash seed, a scheme, the protocol version) would exchange
+gradients that silently do not line up, so membership is where that is refused, with an error
+naming the setting, the rank and both values. Membership is either given (`static_membership`)
+or found by a rendezvous through torch's TCPStore with torchrun's conventions (`rendezvous`).
+
+Store lifetime: rank 0 hosts the TCPStore only for the length of one `rendezvous` call. Every
+rank confirms, through the store, that it has read the whole membership; rank 0 returns only
+after all have confirmed (or the timeout passes), and then closes the store. Nobody needs the
+store afterwards, so there is nothing for the caller to keep alive or close. One call is one
+round; the generation counter lives in the store, so a store that rank 0 starts afresh gives
+generation 1.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from zend.transport import parse_uri
+from zend.transport.handshake import PROTOCOL_VERSION
+
+PROTOCOL_KEY = "protocol_version"
+ENV_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+POLL_S = 0.02
+MAX_LISTED = 10  # mismatches listed in one error before "... and N more"
+
+
+class MembershipError(ValueError):
+    """Membership is invalid or the ranks disagree; the message names the field, rank(s) and values."""
+
+
+class RendezvousTimeoutError(MembershipError, TimeoutError):
+    """Some ranks did not show up (or confirm) within the timeout; the message names them."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One rank's view of the cluster; every rank of a round holds an equal one (but `rank`)."""
+
+    rank: int
+    world_size: int
+    peers: dict[int, str]  # data-plane URI of every rank, own included
+    generation: int
+    cluster_id: str
+    agreed: dict[str, object]  # the settings every rank agreed on (JSON-able), protocol_version included
+    source: str  # "static" or "rendezvous tcpstore://host:port"
+
+
+def _show(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MembershipError(f"{field}={value!r} is not an integer")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise MembershipError(f"{field}={value} must be {bound}")
+    return value
+
+
+def _check_world(rank: object, world_size: object) -> tuple[int, int]:
+    size = _check_int("world_size", world_size, 1)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise MembershipError(f"rank={rank!r} is not an integer")
+    if not 0 <= rank < size:
+        raise MembershipError(f"rank={rank} is outside [0, {size}) for world_size={size}")
+    return rank, size
+
+
+def _check_cluster_id(cluster_id: object) -> str:
+    if not isinstance(cluster_id, str) or not cluster_id.strip():
+        raise MembershipError(f"cluster_id={cluster_id!r} must be a non-empty string")
+    return cluster_id
+
+
+def _with_protocol(agreed: object) -> dict[str, object]:
+    """`agreed` plus the protocol version, round-tripped through JSON so every rank compares like with like."""
+    if not isinstance(agreed, Mapping):
+        raise MembershipError(f"agreed={agreed!r} must be a dict of setting name to JSON value")
+    for key in agreed:
+        if not isinstance(key, str):
+            raise MembershipError(f"agreed has key {key!r}: setting names must be strings")
+    if PROTOCOL_KEY in agreed and agreed[PROTOCOL_KEY] != PROTOCOL_VERSION:
+        raise MembershipError(f"agreed has {PROTOCOL_KEY}={_show(agreed[PROTOCOL_KEY])} but this zend speaks "
+                              f"{PROTOCOL_KEY}={PROTOCOL_VERSION}")
+    try:
+        text = json.dumps({**agreed, PROTOCOL_KEY: PROTOCOL_VERSION}, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise MembershipError(f"agreed is not JSON-able: {exc}") from None
+    result: dict[str, object] = json.loads(text)
+    return result
+
+
+def _address(label: str, uri: object) -> tuple[str, int]:
+    """(host, port) a peer listens on, or MembershipError naming `label` (e.g. 'peers[2]' or 'rank 2')."""
+    if not isinstance(uri, str):
+        raise MembershipError(f"{label} URI {uri!r} is not a string")
+    try:
+        _, host, port = parse_uri(uri)
+    except ValueError as exc:
+        raise MembershipError(f"{label}: {exc}") from None
+    if port == 0:
+        raise MembershipError(f"{label} URI {uri!r} has port 0; a peer must name the port it listens on")
+    return host.lower(), port
+
+
+def _check_unique(uris: Mapping[int, str], label: str) -> None:
+    """Two ranks on one host:port would each dial the other's listener; refuse with both named."""
+    seen: dict[tuple[str, int], int] = {}
+    for index, uri in uris.items():
+        address = _address(label.format(index), uri)
+        if address in seen:
+            first = seen[address]
+            raise MembershipError(f"{label.format(first)} and {label.format(index)} both use data-plane address "
+                                  f"{address[0]}:{address[1]} ({uris[first]!r} and {uri!r})")
+        seen[address] = index
+
+
+def static_membership(rank: int, world_size: int, peers: Sequence[str], *, cluster_id: str,
+                      agreed: dict[str, object], generation: int = 0) -> Membership:
+    """Membership given in full (flags or a config file): validated here, agreed on by nobody else."""
+    rank, world_size = _check_world(rank, world_size)
+    if isinstance(peers, str) or not isinstance(peers, Sequence):
+        raise MembershipError(f"peers={peers!r} must be a list of {world_size} URIs")
+    if len(peers) != world_size:
+        raise MembershipError(f"peers has {len(peers)} URIs {list(peers)!r} but world_size={world_size}")
+    by_rank = dict(enumerate(peers))
+    _check_unique(by_rank, "peers[{}]")
+    return Membership(rank=rank, world_size=world_size, peers=by_rank,
+                      generation=_check_int("generation", generation, 0), cluster_id=_check_cluster_id(cluster_id),
+                      agreed=_with_protocol(agreed), source="static")
+
+
+def from_environment(env: Mapping[str, str]) -> tuple[str, int, int, int]:
+    """(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) as torchrun sets them, validated."""
+    missing = [name for name in ENV_VARIABLES if not env.get(name, "").strip()]
+    if missing:
+        raise MembershipError(f"environment variable(s) {', '.join(missing)} not set; rendezvous needs all of "
+                              f"{', '.join(ENV_VARIABLES)} (as torchrun sets them)")
+
+    def integer(name: str) -> int:
+        try:
+            return int(env[name].strip())
+        except ValueError:
+            raise MembershipError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+    port, world_size, rank = integer("MASTER_PORT"), integer("WORLD_SIZE"), integer("RANK")
+    if not 1 <= port <= 65535:
+        raise MembershipError(f"environment variable MASTER_PORT={port} is not a port in [1, 65535]")
+    if world_size < 1:
+        raise MembershipError(f"environment variable WORLD_SIZE={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise MembershipError(f"environment variable RANK={rank} is outside [0, {world_size}) for "
+                              f"WORLD_SIZE={world_size}")
+    return env["MASTER_ADDR"].strip(), port, world_size, rank
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _differences(reference: Mapping[str, object], rank: int, other: Mapping[str, object]) -> list[str]:
+    """How rank `rank`'s agreed settings differ from rank 0's, one phrase per setting."""
+    found = []
+    for key in sorted(set(reference) | set(other)):
+        if key not in other:
+            found.append(f"rank {rank} has no {key} but rank 0 has {key}={_show(reference[key])}")
+        elif key not in reference:
+            found.append(f"rank {rank} has {key}={_show(other[key])} but rank 0 has no {key}")
+        elif _show(other[key]) != _show(reference[key]):
+            found.append(f"rank {rank} has {key}={_show(other[key])} but rank 0 has {key}={_show(reference[key])}")
+    return found
+
+
+def check_agreement(agreed_by_rank: Mapping[int, Mapping[str, object]]) -> None:
+    """MembershipError listing every setting where a rank differs from rank 0 (which must be present)."""
+    reference = agreed_by_rank[0]
+    found = [phrase for rank in sorted(agreed_by_rank) if rank != 0
+             for phrase in _differences(reference, rank, agreed_by_rank[rank])]
+    if found:
+        more = f"; ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
+        raise MembershipError("ranks disagree on settings: " + "; ".join(found[:MAX_LISTED]) + more)
+
+
+class _Round:
+    """One rank's side of one rendezvous round.
+
+    The store is reached only through `self._store`, never bound to a local, so that dropping it
+    in `close` really stops rank 0's server even while a traceback still holds our frames.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, cluster_id: str, timeout_s: float):
+        self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
+        self.prefix = f"zen/{cluster_id}/"
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.where = f"tcpstore://{host}:{port}"
+        self._store: Any = None
+
+    def remaining(self) -> timedelta:
+        return timedelta(seconds=max(self.deadline - time.monotonic(), 0.05))
+
+    def open(self) -> None:
+        from torch.distributed import DistError, TCPStore
+
+        hosting = self.rank == 0
+        if not hosting:
+            self.await_store()
+        try:
+            self._store = TCPStore(self.host, self.port, self.world_size, hosting, self.remaining(),
+                                   wait_for_workers=False)
+        except DistError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if hosting:
+                raise MembershipError(f"rank 0 could not host the rendezvous store on port {self.port} "
+                                      f"({self.where}): {first}") from None
+            raise RendezvousTimeoutError(f"rank {self.rank} could not reach the rendezvous store at {self.where}, "
+                                         f"hosted by rank 0, within {self.timeout_s:g}s: rank 0 is missing "
+                                         f"(or MASTER_ADDR/MASTER_PORT are wrong): {first}") from None
+
+    def await_store(self) -> None:
+        """Wait for rank 0's store to accept connections; TCPStore's own retries overshoot the timeout."""
+        while True:
+            try:
+                with socket.create_connection((self.host, self.port), timeout=min(self.remaining().total_seconds(), 1)):
+                    return
+            except OSError as exc:
+                if time.monotonic() >= self.deadline:
+                    raise RendezvousTimeoutError(
+                        f"rank {self.rank} could not reach the rendezvous store at {self.where}, hosted by rank 0, "
+                        f"within {self.timeout_s:g}s: rank 0 is missing (or MASTER_ADDR/MASTER_PORT are wrong): "
+                        f"{exc}") from None
+            time.sleep(5 * POLL_S)
+
+    def close(self) -> None:
+        self._store = None
+
+    def call(self, method: str, *args: Any) -> Any:
+        """A store operation; a lost store (rank 0 gone) becomes a MembershipError naming it."""
+        from torch.distributed import DistError
+
+        try:
+            return getattr(self._store, method)(*args)
+        except DistError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where} "
+                                  f"(rank 0 gave up or exited): {first}") from None
+
+    def claim(self) -> None:
+        """Refuse a second process claiming the same rank: its publication would overwrite the first's."""
+        if self.call("add", f"{self.prefix}claim/{self.rank}", 1) > 1:
+            raise MembershipError(f"rank {self.rank} is already taken in cluster {self.prefix[4:-1]!r} at "
+                                  f"{self.where}: another process published it first (check RANK)")
+
+    def wait_all(self, kind: str, what: str) -> None:
+        """Wait until every rank has set `{prefix}{kind}/{rank}`; RendezvousTimeoutError names those that did not."""
+        missing = list(range(self.world_size))
+        try:
+            while True:
+                while missing and self.call("check", [f"{self.prefix}{kind}/{missing[0]}"]):
+                    missing.pop(0)
+                if not missing:
+                    return
+                if time.monotonic() >= self.deadline:
+                    missing = [r for r in missing if not self.call("check", [f"{self.prefix}{kind}/{r}"])]
+                    break
+                time.sleep(POLL_S)
+        except MembershipError as exc:  # rank 0 gave up first: say whom we were still waiting for
+            raise MembershipError(f"{exc}; {_ranks(missing)} of world_size={self.world_size} had not {what} "
+                                  f"by then") from None
+        if missing:
+            raise RendezvousTimeoutError(f"rendezvous at {self.where}: {_ranks(missing)} of world_size="
+                                         f"{self.world_size} did not {what} within {self.timeout_s:g}s "
+                                         f"(rank {self.rank} waited)")
+
+    def run(self, my_uri: str, agreed: dict[str, object], cluster_id: str) -> Membership:
+        self.open()
+        self.claim()
+        if self.rank == 0:  # before publishing: whoever sees rank 0's entry can read the generation
+            self.call("add", f"{self.prefix}generation", 1)
+        self.call("set", f"{self.prefix}rank/{self.rank}", json.dumps({"uri": my_uri, "agreed": agreed},
+                                                                         sort_keys=True))
+        self.wait_all("rank", "publish a URI and settings")
+        keys = [f"{self.prefix}rank/{r}" for r in range(self.world_size)]
+        published: list[bytes] = self.call("multi_get", keys)
+        generation = int(self.call("add", f"{self.prefix}generation", 0))
+        self.call("set", f"{self.prefix}read/{self.rank}", "1")
+        if self.rank == 0:  # everyone must have read before the store goes away
+            self.wait_all("read", "confirm reading the membership")
+        uris: dict[int, str] = {}
+        agreed_by_rank: dict[int, dict[str, object]] = {}
+        for rank, raw in enumerate(published):
+            try:
+                entry = json.loads(raw)
+                uris[rank], agreed_by_rank[rank] = entry["uri"], entry["agreed"]
+                if not isinstance(agreed_by_rank[rank], dict):
+                    raise TypeError("agreed is not an object")
+            except (ValueError, KeyError, TypeError):
+                raise MembershipError(f"rank {rank} published an unreadable entry {raw[:200]!r} at "
+                                      f"{self.where} (a different zend version?)") from None
+        _check_unique(uris, "rank {}")
+        check_agreement(agreed_by_rank)
+        return Membership(rank=self.rank, world_size=self.world_size, peers=uris, generation=generation,
+                          cluster_id=cluster_id, agreed=agreed_by_rank[0], source=f"rendezvous {self.where}")
+
+
+def rendezvous(store_host: str, store_port: int, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
+               agreed: dict[str, object], timeout_s: float = 60.0) -> Membership:
+    """Find every rank's data-plane URI and check all agree on `agreed`, through a TCPStore rank 0 hosts.
+
+    Blocks until all `world_size` ranks have published (bounded by `timeout_s`: RendezvousTimeoutError
+    names the missing ranks) and, on rank 0, until all have read the result, so that closing the
+    store on return strands nobody. `my_uri` must be the address this rank's transport listens on.
+    """
+    rank, world_size = _check_world(rank, world_size)
+    cluster_id = _check_cluster_id(cluster_id)
+    if not isinstance(store_host, str) or not store_host:
+        raise MembershipError(f"store_host={store_host!r} must be a host name or address")
+    store_port = _check_int("store_port", store_port, 1, 65535)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise MembershipError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    _address(f"rank {rank} my_uri", my_uri)
+    agreed = _with_protocol(agreed)
+    round_ = _Round(store_host, store_port, rank, world_size, cluster_id, float(timeout_s))
+    try:
+        return round_.run(my_uri, agreed, cluster_id)
+    finally:
+        round_.close()

@@ -1,0 +1,170 @@
+"""Every setting of `zend serve`, from flags, then ZEND_* variables, then a TOML file, then defaults.
+
+Resolved once at start into a frozen `Settings`; anything invalid stops the daemon at once
+with a message naming the setting, its value and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from zend.core.schemes import SCHEMES
+from zend.transport import parse_uri
+
+ENV_PREFIX = "ZEND_"
+
+
+class SettingsError(ValueError):
+    """A setting that cannot work; the message names it, its value and its source."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # membership: static (rank, world_size, peers) or rendezvous (MASTER_ADDR / MASTER_PORT)
+    rank: int = 0
+    world_size: int = 1
+    peers: tuple[str, ...] = ()          # data-plane URI of every node, in rank order
+    rendezvous: str = ""                 # "host:port" of torch's TCPStore; "env" reads MASTER_ADDR/PORT
+    listen: str = ""                     # own data-plane URI (default: peers[rank])
+    transport: str = "auto"              # tcp, ucx or auto (resolved from the peers' URIs)
+    cluster_id: str = "zen"
+    generation: int = 0
+    secret_file: str = ""                # else $ZEN_CLUSTER_SECRET_FILE, else $ZEN_CLUSTER_SECRET
+    # the trainers' side
+    socket_dir: str = "/run/zend"        # zend.sock (gRPC) and buffers.sock live here
+    grpc_listen: str = ""                # optional TCP address for operators and probes, e.g. 0.0.0.0:7070
+    grpc_workers: int = 64               # handler threads: one per trainer call in flight
+    max_session_bytes: int = 16 << 30    # shared buffers one trainer may hold
+    max_pool_bytes: int = 64 << 30       # shared buffers all trainers may hold
+    # the scheme
+    scheme: str = "auto"
+    hash_seed: int = 0
+    min_slice_width: int = 16
+    reprofile_every: int = 50
+    # time bounds
+    step_timeout_s: float = 300.0        # a step waiting for its node's trainers or for peers
+    peer_timeout_s: float = 30.0         # a silent peer is declared lost after this
+    connect_timeout_s: float = 120.0     # all peers must be connected at start within this
+    drain_timeout_s: float = 30.0
+    # observability
+    metrics_port: int = 9400             # 0 turns the Prometheus endpoint off
+    metrics_host: str = "0.0.0.0"
+    log_format: str = "json"             # json or text
+    log_level: str = "INFO"
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def grpc_socket(self) -> str:
+        return os.path.join(self.socket_dir, "zend.sock")
+
+    @property
+    def buffer_socket(self) -> str:
+        return os.path.join(self.socket_dir, "buffers.sock")
+
+    @property
+    def data_uri(self) -> str:
+        return self.listen or (self.peers[self.rank] if self.peers else "")
+
+    def agreed(self) -> dict[str, object]:
+        """What every node must agree on (checked at rendezvous and in every data-plane handshake)."""
+        return {"scheme": self.scheme, "hash_seed": self.hash_seed, "min_slice_width": self.min_slice_width,
+                "reprofile_every": self.reprofile_every, "world_size": self.world_size}
+
+    def public(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+
+
+FIELDS = {f.name: f for f in fields(Settings) if f.name != "sources"}
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    default = getattr(Settings, name, None) if name != "peers" else ()
+    try:
+        if isinstance(default, bool):
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            items = value if isinstance(value, list | tuple) else str(value).split(",")
+            return tuple(str(x).strip() for x in items if str(x).strip())
+        return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"setting {name}={value!r} (from {source}) is not a valid "
+                            f"{type(default).__name__}") from None
+
+
+def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
+            config_file: str | None = None) -> Settings:
+    """Flags (None = not given) beat ZEND_<NAME> variables, which beat the file, which beats defaults."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG") or None
+    if config_file:
+        try:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"config file {config_file!r}: {exc}") from None
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in FIELDS:
+                raise SettingsError(f"config file {config_file!r}: unknown setting {key!r}")
+            values[name], sources[name] = _convert(name, value, f"file {config_file}"), f"file {config_file}"
+    for name in FIELDS:
+        var = ENV_PREFIX + name.upper()
+        if var in env:
+            values[name], sources[name] = _convert(name, env[var], f"${var}"), f"${var}"
+    for name, value in flags.items():
+        if value is not None and name in FIELDS:
+            values[name], sources[name] = _convert(name, value, f"--{name.replace('_', '-')}"), "flag"
+    settings = Settings(**values, sources=sources)
+    validate(settings)
+    return settings
+
+
+def validate(s: Settings) -> None:
+    def bad(name: str, why: str) -> SettingsError:
+        return SettingsError(f"setting {name}={getattr(s, name)!r} (from {s.sources.get(name, 'default')}): {why}")
+
+    if s.world_size < 1:
+        raise bad("world_size", "must be at least 1")
+    if not 0 <= s.rank < s.world_size:
+        raise bad("rank", f"must be in [0, {s.world_size})")
+    if s.peers and s.rendezvous:
+        raise bad("peers", "give either peers (static membership) or rendezvous, not both")
+    if s.peers and len(s.peers) != s.world_size:
+        raise bad("peers", f"lists {len(s.peers)} addresses for a world size of {s.world_size}")
+    if not s.peers and not s.rendezvous and s.world_size > 1:
+        raise bad("world_size", "more than one node needs peers or rendezvous")
+    if s.rendezvous and not s.listen:
+        raise bad("listen", "rendezvous needs this node's own data-plane URI")
+    for uri in [*s.peers, *([s.listen] if s.listen else [])]:
+        try:
+            parse_uri(uri)
+        except ValueError as exc:
+            raise bad("peers" if uri in s.peers else "listen", str(exc)) from None
+    if s.transport not in ("tcp", "ucx", "auto"):
+        raise bad("transport", "must be tcp, ucx or auto")
+    if s.scheme not in SCHEMES:
+        raise bad("scheme", f"must be one of {', '.join(SCHEMES)}")
+    for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s"):
+        if getattr(s, name) <= 0:
+            raise bad(name, "must be positive")
+    for name in ("grpc_workers", "max_session_bytes", "max_pool_bytes", "min_slice_width", "reprofile_every"):
+        if getattr(s, name) < 1:
+            raise bad(name, "must be at least 1")
+    if not 0 <= s.metrics_port < 65536:
+        raise bad("metrics_port", "must be a port number (0 turns metrics off)")
+    if s.log_format not in ("json", "text"):
+        raise bad("log_format", "must be json or text")
+    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+    if s.grpc_listen and ":" not in s.grpc_listen:
+        raise bad("grpc_listen", "must be HOST:PORT")

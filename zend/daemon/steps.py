@@ -1,0 +1,112 @@
+"""Which trainers have submitted which step: the node's half of "each step exactly once".
+
+Pure bookkeeping (no I/O, no gRPC): a step of a tensor opens when its first trainer submits,
+starts when all `expected` local trainers have, and ends with a result or an error that every
+submitter receives. A repeated submission joins the same step (idempotent); the last finished
+step of each tensor is kept so that a late repeat still gets its result.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from zend.daemon.errors import FAILED_PRECONDITION, StepError
+
+
+@dataclass(frozen=True)
+class StepKey:
+    job: str
+    tensor_id: int
+    step: int
+
+
+@dataclass
+class Step:
+    key: StepKey
+    expected: int
+    opened_at: float = field(default_factory=time.monotonic)
+    parts: dict[int, Any] = field(default_factory=dict)  # local rank -> that trainer's gradient
+    sessions: dict[int, str] = field(default_factory=dict)  # local rank -> session id
+    started: bool = False
+    result: Any = None
+    error: StepError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.expected)) - set(self.parts))
+
+
+class StepTable:
+    """Open and recently finished steps of every tensor on this node."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[StepKey, Step] = {}
+        self._last: dict[tuple[str, int], Step] = {}  # (job, tensor) -> last finished step
+
+    def join(self, key: StepKey, local_rank: int, session: str, part: Any, expected: int) -> tuple[Step, bool]:
+        """File a trainer's part; returns the step and whether this call completed it (start it now)."""
+        with self._lock:
+            last = self._last.get((key.job, key.tensor_id))
+            if last is not None and last.key.step == key.step:
+                return last, False  # a repeat after the end: the same result (or error)
+            if last is not None and key.step < last.key.step:
+                raise StepError(FAILED_PRECONDITION, f"step {key.step} of tensor {key.tensor_id} is in the past: "
+                                                     f"step {last.key.step} has already been synchronised")
+            step = self._open.get(key)
+            if step is None:
+                for other in self._open.values():
+                    if (other.key.job, other.key.tensor_id) == (key.job, key.tensor_id) and other.key.step > key.step:
+                        raise StepError(FAILED_PRECONDITION,
+                                        f"step {key.step} of tensor {key.tensor_id} arrived after step "
+                                        f"{other.key.step} opened; steps of a tensor must come in order")
+                step = self._open[key] = Step(key, expected)
+            if step.expected != expected:
+                raise StepError(FAILED_PRECONDITION, f"local world size {expected} differs from {step.expected} "
+                                                     f"given by the other trainers of step {key.step}")
+            if local_rank in step.parts or step.started:
+                return step, False  # a repeat while in flight: wait for the same outcome
+            step.parts[local_rank] = part
+            step.sessions[local_rank] = session
+            if len(step.parts) == step.expected:
+                step.started = True
+                return step, True
+            return step, False
+
+    def finish(self, step: Step, result: Any = None, error: StepError | None = None) -> None:
+        with self._lock:
+            step.result, step.error = result, error
+            step.parts = {}  # drop the views into trainers' buffers
+            self._open.pop(step.key, None)
+            if error is None or step.started:
+                self._last[(step.key.job, step.key.tensor_id)] = step
+            step.done.set()
+
+    def abandon(self, job: str, error: StepError) -> list[Step]:
+        """A job's trainer is gone: fail that job's steps that have not started (they hold its part, or
+        wait for it in vain)."""
+        with self._lock:
+            victims = [s for s in self._open.values() if not s.started and s.key.job == job]
+        for step in victims:
+            self.finish(step, error=error)
+        return victims
+
+    def expire(self, older_than_s: float, error_for: Any) -> list[Step]:
+        """Fail steps that waited longer than `older_than_s` for their trainers (error_for(step))."""
+        now = time.monotonic()
+        with self._lock:
+            victims = [s for s in self._open.values() if not s.started and now - s.opened_at > older_than_s]
+        for step in victims:
+            self.finish(step, error=error_for(step))
+        return victims
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def open_steps(self) -> list[Step]:
+        with self._lock:
+            return list(self._open.values())

@@ -1,0 +1,129 @@
+"""A registered tensor: what it is, and how its gradient lies in a shared buffer.
+
+Pure layout arithmetic and zero-copy views; the buffers themselves come from zend.buffers.
+SPARSE_ROWS: `nnz` int64 row indices at the buffer offset, then, 64-byte aligned, `nnz` rows
+of values. DENSE: every element, row-major. Results use the same layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zend.core.sparse import SparseGrad, SparseGradError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LAYOUTS = ("sparse_rows", "dense")
+ALIGN = 64
+MAX_NAME = 200
+
+# view(dtype, byte_offset, count) -> 1-D tensor over the buffer (SharedBuffer.view)
+ViewFn = Callable[[torch.dtype, int, int], torch.Tensor]
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One gradient tensor of a job, the same on every trainer of every node."""
+
+    job: str
+    name: str
+    shape: tuple[int, ...]
+    dtype_name: str
+    layout: str
+    average: bool
+
+    def __post_init__(self) -> None:
+        where = f"tensor {self.name!r} of job {self.job!r}"
+        if not self.name or len(self.name) > MAX_NAME:
+            raise SparseGradError(f"tensor name {self.name[:40]!r} must have 1 to {MAX_NAME} characters")
+        if self.dtype_name not in DTYPES:
+            raise SparseGradError(f"{where}: dtype {self.dtype_name!r} is not one of {', '.join(DTYPES)}")
+        if self.layout not in LAYOUTS:
+            raise SparseGradError(f"{where}: layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if not self.shape or any(d < 1 for d in self.shape) or self.shape[0] >= 2**31:
+            raise SparseGradError(f"{where}: shape {list(self.shape)} must have positive sizes and < 2**31 rows")
+        if math.prod(self.shape) * self.itemsize >= 1 << 40:
+            raise SparseGradError(f"{where}: shape {list(self.shape)} is over 1 TiB")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=DTYPES[self.dtype_name]).element_size()
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def row_len(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def dense_bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def describe(self) -> dict[str, object]:
+        """What every node must agree on before summing this tensor."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype_name, "layout": self.layout,
+                "average": self.average}
+
+    def nbytes(self, nnz: int) -> int:
+        """Bytes the gradient (or the result) takes in a buffer, from its offset."""
+        if self.layout == "dense":
+            return self.dense_bytes
+        return align(nnz * 8) + nnz * self.row_len * self.itemsize
+
+    @property
+    def max_bytes(self) -> int:
+        return self.nbytes(self.num_rows)
+
+    def read(self, view: ViewFn, offset: int, nnz: int) -> SparseGrad:
+        """The gradient a trainer put in its buffer; indices are copied (the trainer can still write
+        there), values stay a view. Raises SparseGradError naming the bad value."""
+        if self.layout == "dense":
+            values = view(self.dtype, offset, math.prod(self.shape)).view(self.shape)
+            return SparseGrad(torch.arange(self.num_rows), values, self.num_rows, self.name, True).validate()
+        if nnz < 0:
+            raise SparseGradError(f"tensor {self.name!r}: nnz {nnz} is negative")
+        indices = view(torch.int64, offset, nnz).clone()
+        values = view(self.dtype, offset + align(nnz * 8), nnz * self.row_len).view(nnz, *self.row_shape)
+        return SparseGrad(indices, values, self.num_rows, self.name).validate()
+
+    def write(self, grad: SparseGrad, view: ViewFn, offset: int) -> None:
+        """Put a (coalesced) result into a buffer in this tensor's layout."""
+        if self.layout == "dense":
+            out = view(self.dtype, offset, math.prod(self.shape)).view(self.shape)
+            out.zero_()
+            if grad.nnz:
+                out.index_copy_(0, grad.indices.to(torch.int64), grad.values.to(self.dtype))
+            return
+        view(torch.int64, offset, grad.nnz).copy_(grad.indices)
+        view(self.dtype, offset + align(grad.nnz * 8), grad.nnz * self.row_len).copy_(grad.values.reshape(-1))
+
+
+def local_sum(spec: TensorSpec, grads: list[SparseGrad]) -> SparseGrad:
+    """The node's gradient: the sum of its trainers' parts (float32 accumulation, one rounding)."""
+    if len(grads) == 1:
+        return grads[0].coalesce()
+    if spec.layout == "dense":
+        total = grads[0].values.to(torch.float32).clone()
+        for g in grads[1:]:
+            total += g.values
+        return SparseGrad(grads[0].indices, total.to(spec.dtype), spec.num_rows, spec.name, True)
+    indices = torch.cat([g.indices.to(torch.int64) for g in grads])
+    values = torch.cat([g.values for g in grads])
+    return SparseGrad(indices, values, spec.num_rows, spec.name).coalesce()

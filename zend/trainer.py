@@ -1,0 +1,94 @@
+"""A minimal trainer-side link to the node's zend daemon (tests, benchmarks, `zend cluster`).
+
+The full client API with PyTorch integration is `client/`; this is the smallest correct use
+of the protocol: open a session, claim it on the buffer socket, register tensors, and for
+each step write the gradient into a shared buffer and Submit a reference to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from zend.api.zen.v1 import zen_pb2 as pb
+from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+from zend.buffers import BufferClient
+from zend.core.sparse import SparseGrad
+from zend.daemon.tensors import TensorSpec
+
+DTYPE_ENUMS = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class TensorHandle:
+    tensor_id: int
+    spec: TensorSpec
+    input: Any = None   # SharedBuffer, grown as needed
+    result: Any = None  # SharedBuffer sized for the worst case (pages are only used when written)
+
+
+class TrainerLink:
+    def __init__(self, socket_dir: str, job: str, token: str, local_rank: int = 0, local_world_size: int = 1,
+                 timeout_s: float = 60.0):
+        self.job, self.timeout_s = job, timeout_s
+        self.address = f"unix:{os.path.join(socket_dir, 'zend.sock')}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.TrainerStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        reply = self.stub.OpenSession(pb.OpenSessionRequest(job_id=job, local_rank=local_rank,
+                                                            local_world_size=local_world_size, pid=os.getpid()),
+                                      timeout=timeout_s, metadata=self.metadata, wait_for_ready=True)
+        self.session_id = reply.session_id
+        self.node_rank, self.node_count = reply.node_rank, reply.node_count
+        self.buffers = BufferClient(reply.buffer_socket, self.session_id, timeout_s=timeout_s)
+        self.last_reply: Any = None
+
+    def register(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, dense: bool = False,
+                 average: bool = False) -> TensorHandle:
+        layout = pb.DENSE if dense else pb.SPARSE_ROWS
+        reply = self.stub.RegisterTensor(pb.RegisterTensorRequest(
+            session_id=self.session_id, name=name, shape=list(shape), dtype=DTYPE_ENUMS[dtype], layout=layout,
+            average=average), timeout=self.timeout_s, metadata=self.metadata)
+        spec = TensorSpec(self.job, name, tuple(shape), DTYPE_NAMES[dtype], "dense" if dense else "sparse_rows",
+                          average)
+        return TensorHandle(reply.tensor_id, spec, result=self.buffers.alloc(reply.max_result_bytes))
+
+    def _input_buffer(self, handle: TensorHandle, nbytes: int) -> Any:
+        if handle.input is None or handle.input.nbytes < nbytes:
+            if handle.input is not None:
+                self.buffers.free(handle.input.buffer_id)
+            handle.input = self.buffers.alloc(max(nbytes, 2 * (handle.input.nbytes if handle.input else 0), 4096))
+        return handle.input
+
+    def allreduce(self, handle: TensorHandle, grad: SparseGrad, step: int,
+                  timeout_s: float | None = None) -> SparseGrad:
+        """Sum `grad` over every trainer of the job; returns a copy of the (coalesced) result."""
+        spec = handle.spec
+        buf = self._input_buffer(handle, spec.nbytes(grad.nnz))
+        spec.write(grad, buf.view, 0)
+        self.last_reply = self.stub.Submit(pb.SubmitRequest(
+            session_id=self.session_id, tensor_id=handle.tensor_id, step=step,
+            input=pb.BufferRef(buffer_id=buf.buffer_id, offset=0), nnz=grad.nnz,
+            result=pb.BufferRef(buffer_id=handle.result.buffer_id, offset=0)),
+            timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+        out = spec.read(handle.result.view, 0, self.last_reply.nnz)
+        return SparseGrad(out.indices.clone(), out.values.clone(), out.num_rows, out.name, True)
+
+    def close(self) -> None:
+        with contextlib.suppress(grpc.RpcError):  # the daemon may be gone; the buffer socket closing ends it too
+            self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=5.0,
+                                   metadata=self.metadata)
+        self.buffers.close()
+        self.channel.close()
+
+    def __enter__(self) -> TrainerLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
