@@ -10,10 +10,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,ucx]'
 	touch $(STAMP)
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo simulate test lint bench
 setup: $(STAMP)
 
-demo: $(STAMP)  ## the main job: every scheme on the real trace, n = 4..128
+demo: $(STAMP)  ## the main job: 4 zend daemons on this machine, 2 trainers each, real gradients, every sum checked
+	$(BIN)/zend cluster --nodes 4 --trainers 2 --steps 5
+
+simulate: $(STAMP)  ## every scheme on the real trace in one process, n = 4..128
 	$(BIN)/zend simulate
 
 test: $(STAMP)  ## lint, type-check, then the whole test suite

@@ -41,8 +41,8 @@ class LocalCluster:
     """`with LocalCluster(4, workdir) as c:` N daemons; `c.socket_dir(i)`, `c.token(job)`, `c.kill(i)`."""
 
     def __init__(self, nodes: int, workdir: str | Path, *, transport: str = "tcp", emulated: Any = None,
-                 metrics: bool = True, extra: Sequence[str] = (), env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 60.0):
+                 metrics: bool = True, rendezvous: bool = False, extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 60.0):
         if nodes < 1:
             raise ValueError(f"nodes {nodes} must be at least 1")
         self.nodes, self.workdir = nodes, Path(workdir)
@@ -58,6 +58,8 @@ class LocalCluster:
         ports = [7000 if emulated else free_port() for _ in range(nodes)]
         self.peers = [f"{transport}://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
         self.metrics_ports = [free_port() if metrics and not emulated else 0 for _ in range(nodes)]
+        # rendezvous: node 0 hosts torch's TCPStore; nobody is told the others' addresses
+        self.store = f"{hosts[0]}:{free_port() if not emulated else 29500}" if rendezvous else ""
         self.env = {**os.environ, **(env or {}), "ZEN_CLUSTER_SECRET_FILE": str(self.secret_file)}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -71,8 +73,10 @@ class LocalCluster:
         return job_token(self.secret, job)
 
     def argv(self, node: int) -> list[str]:
+        membership = ["--rendezvous", self.store, "--listen", self.peers[node]] if self.store else [
+            "--peers", ",".join(self.peers)]
         return [sys.executable, "-m", "zend", "serve", "--rank", str(node), "--world-size", str(self.nodes),
-                "--peers", ",".join(self.peers), "--transport", self.transport,
+                *membership, "--transport", self.transport,
                 "--socket-dir", self.socket_dir(node), "--metrics-port", str(self.metrics_ports[node]),
                 "--metrics-host", "127.0.0.1", *self.extra]
 

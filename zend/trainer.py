@@ -29,6 +29,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 class TensorHandle:
     tensor_id: int
     spec: TensorSpec
+    device: str = "cpu"
     input: Any = None   # SharedBuffer, grown as needed
     result: Any = None  # SharedBuffer sized for the worst case (pages are only used when written)
 
@@ -50,25 +51,31 @@ class TrainerLink:
         self.last_reply: Any = None
 
     def register(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, dense: bool = False,
-                 average: bool = False) -> TensorHandle:
+                 average: bool = False, device: str = "cpu") -> TensorHandle:
+        """Buffers on `device`: "cpu" (shared memory) or "cuda:N" (daemon-owned GPU memory, CUDA IPC)."""
         layout = pb.DENSE if dense else pb.SPARSE_ROWS
         reply = self.stub.RegisterTensor(pb.RegisterTensorRequest(
             session_id=self.session_id, name=name, shape=list(shape), dtype=DTYPE_ENUMS[dtype], layout=layout,
             average=average), timeout=self.timeout_s, metadata=self.metadata)
         spec = TensorSpec(self.job, name, tuple(shape), DTYPE_NAMES[dtype], "dense" if dense else "sparse_rows",
                           average)
-        return TensorHandle(reply.tensor_id, spec, result=self.buffers.alloc(reply.max_result_bytes))
+        return TensorHandle(reply.tensor_id, spec, device, result=self.buffers.alloc(reply.max_result_bytes, device))
 
     def _input_buffer(self, handle: TensorHandle, nbytes: int) -> Any:
         if handle.input is None or handle.input.nbytes < nbytes:
             if handle.input is not None:
                 self.buffers.free(handle.input.buffer_id)
-            handle.input = self.buffers.alloc(max(nbytes, 2 * (handle.input.nbytes if handle.input else 0), 4096))
+            size = max(nbytes, 2 * (handle.input.nbytes if handle.input else 0), 4096)
+            handle.input = self.buffers.alloc(size, handle.device)
         return handle.input
 
     def allreduce(self, handle: TensorHandle, grad: SparseGrad, step: int,
-                  timeout_s: float | None = None) -> SparseGrad:
-        """Sum `grad` over every trainer of the job; returns a copy of the (coalesced) result."""
+                  timeout_s: float | None = None, copy: bool = True) -> SparseGrad:
+        """Sum `grad` over every trainer of the job; returns the (coalesced) result.
+
+        With `copy` (the default) the values are a copy the caller owns; without, they are a view
+        of the shared result buffer, valid until the next `allreduce` of this tensor.
+        """
         spec = handle.spec
         buf = self._input_buffer(handle, spec.nbytes(grad.nnz))
         spec.write(grad, buf.view, 0)
@@ -77,8 +84,9 @@ class TrainerLink:
             input=pb.BufferRef(buffer_id=buf.buffer_id, offset=0), nnz=grad.nnz,
             result=pb.BufferRef(buffer_id=handle.result.buffer_id, offset=0)),
             timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-        out = spec.read(handle.result.view, 0, self.last_reply.nnz)
-        return SparseGrad(out.indices.clone(), out.values.clone(), out.num_rows, out.name, True)
+        out = spec.read(handle.result.view, 0, self.last_reply.nnz, check=False)  # the daemon's own output
+        # read() copied the indices; the values are a view of the result buffer unless copied here
+        return out if not copy else out.with_values(out.values.clone())
 
     def close(self) -> None:
         with contextlib.suppress(grpc.RpcError):  # the daemon may be gone; the buffer socket closing ends it too

@@ -287,3 +287,68 @@ def test_bad_config_and_a_port_that_will_not_bind_fail_at_once(tmp_path):
     run = subprocess.run([sys.executable, "-m", "zend", "serve", "--socket-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "ZEN_CLUSTER_SECRET": "short"})
     assert run.returncode == 2 and "at least 16 are required" in run.stderr
+
+
+def _sum_on_every_node(cluster, nodes, job="j"):  # type: ignore[no-untyped-def]
+    results = _one_trainer_per_node(cluster, job, lambda node, link: link.allreduce(
+        link.register("emb", (64, 4)), random_grad(64, 4, node), 0).to_dense(), nodes=nodes)
+    ref = sum(random_grad(64, 4, n).to_dense() for n in range(nodes))
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        torch.testing.assert_close(r, ref)
+
+
+def test_rendezvous_through_torch_tcpstore(fresh_cluster):
+    c = fresh_cluster(3, rendezvous=True, extra=["--log-format", "text"])
+    _sum_on_every_node(c, 3)
+    run = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir", c.socket_dir(2)],
+                         capture_output=True, text=True, timeout=60)
+    assert '"membership": "rendezvous tcpstore://127.0.0.1:' in run.stdout and '"generation": "1"' in run.stdout
+
+
+def test_ucx_data_plane_between_daemons(fresh_cluster):
+    pytest.importorskip("ucxx", reason="ucxx-cu12 is installed by `make` (extra 'ucx')")
+    c = fresh_cluster(2, transport="ucx", extra=["--log-format", "text"],
+                      env={"UCX_TLS": "tcp", "UCXPY_PROGRESS_MODE": "blocking"})
+    _sum_on_every_node(c, 2)
+    run = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir", c.socket_dir(0)],
+                         capture_output=True, text=True, timeout=60)
+    assert '"transport": "ucx"' in run.stdout and '"tcp"' in run.stdout, run.stdout
+
+
+def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):
+    c = fresh_cluster(2, extra=["--log-format", "text", "--drain-timeout-s", "20"])
+
+    def node0(node, link):  # type: ignore[no-untyped-def]
+        h = link.register("emb", (64, 4))
+        if node == 1:
+            time.sleep(1.0)  # node 0's step is now in flight, waiting for node 1
+            os.kill(c.procs[0].pid, signal.SIGTERM)
+            time.sleep(0.5)  # node 0 is draining: it refuses new steps, finishes this one
+        return link.allreduce(h, random_grad(64, 4, node), 0).to_dense()
+
+    t0 = time.monotonic()
+    results = _one_trainer_per_node(c, "drain", node0, nodes=2)
+    ref = random_grad(64, 4, 0).to_dense() + random_grad(64, 4, 1).to_dense()
+    for r in results:  # the step in flight completed on both nodes
+        assert not isinstance(r, BaseException), r
+        torch.testing.assert_close(r, ref)
+    assert c.procs[0].wait(20) == 0
+    log = c.log_path(0).read_text()
+    assert "signal received, draining" in log and "drained" in log
+    assert time.monotonic() - t0 < 30
+
+
+def test_zend_cluster_in_emulated_network_namespaces():
+    from zend.emulated import available
+
+    reason = available()
+    if reason:
+        pytest.skip(f"emulated cluster: {reason}")
+    run = subprocess.run([sys.executable, "-m", "zend", "cluster", "--nodes", "3", "--trainers", "1", "--steps",
+                          "2", "--dim", "8", "--emulated", "1000"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "network namespaces at 1000.0 Mbit/s" in run.stdout
+    assert "6 trainer-steps, 0 wrong, 0 trainers failed" in run.stdout
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "zen" not in leftover, leftover

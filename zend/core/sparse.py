@@ -96,7 +96,10 @@ class SparseGrad:
                 raise SparseGradError(f"{where}: negative index {lo}")
             if hi >= self.num_rows:
                 raise SparseGradError(f"{where}: index {hi} out of range for {self.num_rows} rows")
-            if nonfinite == "reject":
+            # one cheap pass first: NaN and Inf propagate into the sum, so a finite sum means every
+            # value is finite; an infinite one (a NaN, an Inf, or an overflow of the sum alone)
+            # sends us to the exact scan, which names the value or finds none
+            if nonfinite == "reject" and not bool(torch.isfinite(self.values.sum())):
                 bad = ~torch.isfinite(self.values)
                 if bool(bad.any()):
                     pos = int(bad.reshape(self.nnz, -1).any(dim=1).nonzero()[0, 0])

@@ -52,6 +52,7 @@ def add_commands(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from zend.daemon.logs import setup_logging
     from zend.daemon.server import Daemon
+    from zend.runtime import tune_process
 
     flags = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name != "sources"}
     try:
@@ -60,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"zend serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_format, settings.log_level)
+    tune_process(settings.threads)  # few threads, pages kept (benchmarks/daemon_overhead.py shows both matter)
     daemon = Daemon(settings) if _secret_ok(settings) else None
     if daemon is None:
         return 2

@@ -116,8 +116,8 @@ class NodeSync:
                                           state.local_world_size)
             self._open_by_session[(session.session_id, tid)] = step_no
         self.metrics.in_flight.set(self.table.in_flight())
-        if start:
-            threading.Thread(target=self._run, args=(state, step), name=f"step-{tid}-{step_no}", daemon=True).start()
+        if start:  # the last trainer to arrive runs the step in its own handler thread
+            self._run(state, step)
         try:
             if not step.done.wait(min(wait_s, self.step_timeout_s)):
                 missing = step.missing()
@@ -188,16 +188,20 @@ class NodeSync:
             dense = 2 * (n - 1) * spec.dense_bytes // n
             outcome = StepOutcome(out, result.scheme, result.traffic.bytes_sent, result.traffic.bytes_recv, dense,
                                   phases)
-            self._record(state, step, grad, result, outcome)
-            self.table.finish(step, result=outcome)
         except Exception as exc:  # every failure reaches every waiting trainer, mapped to a status
             err = self._as_step_error(exc, state, key)
             self.metrics.errors.labels(code=err.code).inc()
             log.warning("step failed", extra={"event": "step_failed", "job": key.job, "tensor": spec.name,
                                               "step": key.step, "code": err.code, "error": err.message})
             self.table.finish(step, error=err)
-        finally:
             self.metrics.in_flight.set(self.table.in_flight())
+            return
+        self.table.finish(step, result=outcome)  # trainers go on; the bookkeeping comes after
+        self.metrics.in_flight.set(self.table.in_flight())
+        try:
+            self._record(state, step, grad, result, outcome)
+        except Exception:  # metrics must never fail a step that succeeded
+            log.exception("recording step %s of tensor %r", key.step, spec.name)
 
     def _as_step_error(self, exc: Exception, state: TensorState, key: StepKey) -> StepError:
         where = f"step {key.step} of tensor {state.spec.name!r}"

@@ -58,8 +58,12 @@ class Daemon:
     def start(self) -> Daemon:
         s = self.settings
         os.makedirs(s.socket_dir, mode=0o750, exist_ok=True)
+        import torch
+
+        gpu = torch.cuda.is_available()  # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
-                                    max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes).start()
+                                    max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
+                                    cuda_pool=gpu).start()
         self._start_grpc()
         if s.metrics_port:
             self.metrics.serve(s.metrics_host, s.metrics_port)  # OSError at once if the port is taken

@@ -38,6 +38,7 @@ class Settings:
     socket_dir: str = "/run/zend"        # zend.sock (gRPC) and buffers.sock live here
     grpc_listen: str = ""                # optional TCP address for operators and probes, e.g. 0.0.0.0:7070
     grpc_workers: int = 64               # handler threads: one per trainer call in flight
+    threads: int = 0                     # torch threads for the daemon's tensor work (0: a quarter of the cores)
     max_session_bytes: int = 16 << 30    # shared buffers one trainer may hold
     max_pool_bytes: int = 64 << 30       # shared buffers all trainers may hold
     # the scheme
@@ -157,6 +158,8 @@ def validate(s: Settings) -> None:
     for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s"):
         if getattr(s, name) <= 0:
             raise bad(name, "must be positive")
+    if s.threads < 0:
+        raise bad("threads", "must be 0 (a quarter of the cores) or more")
     for name in ("grpc_workers", "max_session_bytes", "max_pool_bytes", "min_slice_width", "reprofile_every"):
         if getattr(s, name) < 1:
             raise bad(name, "must be at least 1")

@@ -91,16 +91,21 @@ class TensorSpec:
     def max_bytes(self) -> int:
         return self.nbytes(self.num_rows)
 
-    def read(self, view: ViewFn, offset: int, nnz: int) -> SparseGrad:
-        """The gradient a trainer put in its buffer; indices are copied (the trainer can still write
-        there), values stay a view. Raises SparseGradError naming the bad value."""
+    def read(self, view: ViewFn, offset: int, nnz: int, check: bool = True) -> SparseGrad:
+        """The gradient in a buffer; indices are copied (the other side can still write there), values
+        stay a view. With `check` (anything a trainer wrote), SparseGradError names a bad value;
+        without (a result the daemon wrote), it is trusted as is and marked coalesced."""
         if self.layout == "dense":
             values = view(self.dtype, offset, math.prod(self.shape)).view(self.shape)
-            return SparseGrad(torch.arange(self.num_rows), values, self.num_rows, self.name, True).validate()
+            grad = SparseGrad(torch.arange(self.num_rows, device=values.device), values, self.num_rows, self.name,
+                              True)
+            return grad.validate() if check else grad
         if nnz < 0:
             raise SparseGradError(f"tensor {self.name!r}: nnz {nnz} is negative")
         indices = view(torch.int64, offset, nnz).clone()
         values = view(self.dtype, offset + align(nnz * 8), nnz * self.row_len).view(nnz, *self.row_shape)
+        if not check:
+            return SparseGrad(indices, values, self.num_rows, self.name, True)
         return SparseGrad(indices, values, self.num_rows, self.name).validate()
 
     def write(self, grad: SparseGrad, view: ViewFn, offset: int) -> None:
@@ -109,7 +114,7 @@ class TensorSpec:
             out = view(self.dtype, offset, math.prod(self.shape)).view(self.shape)
             out.zero_()
             if grad.nnz:
-                out.index_copy_(0, grad.indices.to(torch.int64), grad.values.to(self.dtype))
+                out.index_copy_(0, grad.indices.to(out.device, torch.int64), grad.values.to(out.device, self.dtype))
             return
         view(torch.int64, offset, grad.nnz).copy_(grad.indices)
         view(self.dtype, offset + align(grad.nnz * 8), grad.nnz * self.row_len).copy_(grad.values.reshape(-1))
