@@ -10,17 +10,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,ucx]'
 	touch $(STAMP)
 
-.PHONY: setup demo simulate test lint bench
+.PHONY: setup demo cluster simulate test lint bench
 setup: $(STAMP)
 
-demo: $(STAMP)  ## the main job: 4 zend daemons on this machine, 2 trainers each, real gradients, every sum checked
+demo: $(STAMP)  ## the main job: a local zend cluster (2 nodes x 2 trainers) training a GPT-style model on real text
+	$(BIN)/python examples/gpt_sparse.py --launch --nodes 2 --trainers 2 --backend zen --steps 100
+
+cluster: $(STAMP)  ## 4 zend daemons, 2 trainers each, real embedding gradients, every sum checked
 	$(BIN)/zend cluster --nodes 4 --trainers 2 --steps 5
 
 simulate: $(STAMP)  ## every scheme on the real trace in one process, n = 4..128
 	$(BIN)/zend simulate
 
 test: $(STAMP)  ## lint, type-check, then the whole test suite
-	$(BIN)/ruff check zend tests benchmarks scripts
+	$(BIN)/ruff check zend client examples tests benchmarks scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 

@@ -1,0 +1,177 @@
+"""`Client`: a trainer's connection to its node's zend daemon, and `allreduce` in the shapes torch uses.
+
+    with zen.Client() as zc:                     # address, job and token from the sidecar's environment
+        grad = zc.allreduce(emb.weight.grad, name="emb", average=True)   # sparse COO in, sparse COO out
+
+Accepted: a torch sparse COO tensor (row-sparse, like nn.Embedding(sparse=True) makes), an
+(indices, values) pair with `num_rows`, or a dense tensor (summed densely, or top-k sparsified
+with error feedback when `topk` is given). Each name has its own step counter; every trainer
+of the job must call allreduce for the same names in the same order of steps.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, ZenError, from_rpc_error
+from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
+from zend.core.topk import TopKCompressor
+from zend.trainer import TensorHandle, TrainerLink
+
+DEFAULT_SOCKET_DIR = "/run/zend"
+Indexed = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class _Tensor:
+    handle: TensorHandle
+    kind: str  # "sparse", "pair", "dense", "topk"
+    shape: tuple[int, ...]
+    next_step: int = 0
+    in_flight: bool = False
+
+
+class Client:
+    """Connect to the node's daemon. Arguments default to the environment the sidecar sets:
+    ZEN_SOCKET_DIR (else /run/zend), ZEN_JOB, ZEN_JOB_TOKEN, LOCAL_RANK, LOCAL_WORLD_SIZE."""
+
+    def __init__(self, socket_dir: str | None = None, *, job: str | None = None, token: str | None = None,
+                 local_rank: int | None = None, local_world_size: int | None = None, timeout_s: float = 120.0,
+                 max_workers: int = 4):
+        env = os.environ
+        self.socket_dir = socket_dir or env.get("ZEN_SOCKET_DIR", DEFAULT_SOCKET_DIR)
+        self.address = f"unix:{os.path.join(self.socket_dir, 'zend.sock')}"
+        self.job = job or env.get("ZEN_JOB", "default")
+        token = token or env.get("ZEN_JOB_TOKEN")
+        if not token:
+            raise NotAuthorized(f"no job token: pass token= or set ZEN_JOB_TOKEN (`zend token --job {self.job}`)")
+        self.timeout_s = timeout_s
+        if not os.path.exists(os.path.join(self.socket_dir, "zend.sock")):
+            raise DaemonUnavailable(f"no zend daemon at {self.address}: the socket does not exist "
+                                    "(is the sidecar running? ZEN_SOCKET_DIR points elsewhere?)")
+        self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None else local_world_size
+        try:
+            self._link = TrainerLink(self.socket_dir, self.job, token, self.local_rank, self.local_world_size,
+                                     timeout_s=min(timeout_s, 30.0))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        except (ConnectionError, OSError) as exc:
+            raise DaemonUnavailable(f"zend daemon at {self.address}: {exc}") from None
+        self._tensors: dict[str, _Tensor] = {}
+        self._topk: dict[float, TopKCompressor] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="zen-client")
+
+    @property
+    def world_size(self) -> int:
+        """Trainers of the job across the cluster (nodes x local world size)."""
+        return self._link.node_count * self.local_world_size
+
+    # ------------------------------------------------------------------ allreduce
+    def allreduce(self, tensor: torch.Tensor | Indexed, *, name: str, average: bool = False,
+                  num_rows: int | None = None, topk: float | None = None, step: int | None = None,
+                  timeout_s: float | None = None) -> Any:
+        """The sum (or mean) of `tensor` over every trainer of the job, in the form it came in."""
+        kind, grad, shape = self._as_grad(tensor, name, num_rows, topk)
+        entry = self._entry(name, kind, grad, shape, average)
+        with self._lock:
+            if entry.in_flight:
+                raise ZenError(f"tensor {name!r}: the previous allreduce is still in flight")
+            entry.in_flight = True
+            step = entry.next_step if step is None else step
+        try:
+            out = self._link.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        finally:
+            with self._lock:
+                entry.in_flight = False
+        entry.next_step = step + 1
+        return self._as_output(out, kind, shape, tensor)
+
+    def allreduce_async(self, tensor: torch.Tensor | Indexed, **kwargs: Any) -> torch.futures.Future[Any]:
+        """Like allreduce, returning a torch Future (what DDP comm hooks return)."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.allreduce(tensor, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._pool.submit(run)
+        return future
+
+    # ------------------------------------------------------------------ conversions
+    def _as_grad(self, tensor: torch.Tensor | Indexed, name: str, num_rows: int | None,
+                 topk: float | None) -> tuple[str, SparseGrad, tuple[int, ...]]:
+        try:
+            if isinstance(tensor, tuple):
+                if len(tensor) != 2 or num_rows is None:
+                    raise InvalidGradient(f"tensor {name!r}: an (indices, values) pair needs num_rows=")
+                indices, values = tensor
+                return "pair", SparseGrad(indices, values, num_rows, name).validate(), (num_rows, *values.shape[1:])
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidGradient(f"tensor {name!r}: expected a torch.Tensor or (indices, values), "
+                                      f"got {type(tensor).__name__}")
+            shape = tuple(tensor.shape)
+            if tensor.is_sparse:
+                if tensor.sparse_dim() != 1:
+                    raise InvalidGradient(f"tensor {name!r}: sparse_dim {tensor.sparse_dim()}; zen takes row-sparse "
+                                          "COO tensors (sparse_dim 1, as nn.Embedding(sparse=True) makes)")
+                return "sparse", from_torch_sparse(tensor, name).validate(), shape
+            if topk is not None:
+                compressor = self._topk.setdefault(topk, TopKCompressor(topk))
+                return "topk", compressor.compress(name, tensor).validate(), (tensor.numel(),)
+            if tensor.dim() == 0:
+                tensor = tensor.reshape(1)
+            rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+            grad = SparseGrad(torch.arange(rows.shape[0], device=tensor.device), rows, rows.shape[0], name, True)
+            return "dense", grad.validate(), tuple(rows.shape)
+        except SparseGradError as exc:
+            raise InvalidGradient(str(exc)) from None
+
+    def _entry(self, name: str, kind: str, grad: SparseGrad, shape: tuple[int, ...], average: bool) -> _Tensor:
+        entry = self._tensors.get(name)
+        if entry is None:
+            device = "cpu" if grad.device.type == "cpu" else str(grad.device)
+            try:
+                handle = self._link.register(name, shape, grad.dtype, dense=kind == "dense", average=average,
+                                             device=device)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, self.address) from None
+            entry = self._tensors[name] = _Tensor(handle, kind, shape)
+        elif entry.kind != kind or entry.shape != shape or entry.handle.spec.dtype != grad.dtype:
+            raise InvalidGradient(f"tensor {name!r} was first synchronised as {entry.kind} {list(entry.shape)} "
+                                  f"{entry.handle.spec.dtype_name}, now as {kind} {list(shape)} {grad.dtype}")
+        return entry
+
+    @staticmethod
+    def _as_output(out: SparseGrad, kind: str, shape: tuple[int, ...], original: Any) -> Any:
+        device = original[1].device if isinstance(original, tuple) else original.device
+        if kind == "pair":
+            return out.indices.to(device), out.values.to(device)
+        if kind == "sparse":
+            return torch.sparse_coo_tensor(out.indices.unsqueeze(0).to(device), out.values.to(device), shape,
+                                           is_coalesced=True, check_invariants=False)  # the daemon coalesced it
+        dense = out.to_dense() if kind == "topk" else out.values
+        return dense.reshape(original.shape).to(device)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._link.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

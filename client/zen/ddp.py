@@ -1,0 +1,93 @@
+"""PyTorch integration: a DDP communication hook, and one call that syncs a model without DDP.
+
+    ddp.register_comm_hook(zen.HookState(client, ddp.module), zen.comm_hook)
+
+Sparse buckets (nn.Embedding(sparse=True) parameters get a bucket each) go through the zen
+daemon; dense buckets go through torch's own allreduce on DDP's process group, or, with
+`dense="topk"`, through the daemon as top-k values with error feedback. DDP stops dividing
+by the world size once a hook is registered, so the hook averages. torch's DDP itself refuses
+a sparse parameter left unused in a step (even with find_unused_parameters=True); for models
+that have them, `sync_gradients` without DDP handles it.
+"""
+
+# no `from __future__ import annotations`: DDP checks comm_hook's annotations as objects
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen.client import Client
+
+
+@dataclass
+class HookState:
+    """`HookState(client, ddp.module)`: the model names the buckets (the same on every rank)."""
+
+    client: Client
+    model: nn.Module
+    dense: str = "torch"  # "torch": DDP's process group allreduces dense buckets; "topk": via the daemon
+    topk_ratio: float = 0.01
+    process_group: dist.ProcessGroup | None = None
+    prefix: str = "ddp"  # give each DDP model of a job its own
+    _param_names: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dense not in ("torch", "topk"):
+            raise ValueError(f"dense={self.dense!r}: choose 'torch' or 'topk'")
+        if not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"topk_ratio={self.topk_ratio} must be in (0, 1]")
+        self._param_names = {id(p): n for n, p in self.model.named_parameters()}
+
+    def bucket_name(self, bucket: dist.GradBucket) -> str:
+        """From the bucket's parameters, not its index: DDP rebuilds its buckets after the first step."""
+        names = [self._param_names.get(id(p), f"?{tuple(p.shape)}") for p in bucket.parameters()]
+        key = ",".join(names)
+        if len(key) > 150:
+            digest = hashlib.blake2b(key.encode(), digest_size=4).hexdigest()
+            key = f"{names[0]}..{names[-1]}({len(names)})#{digest}"
+        return f"{self.prefix}.{key}"
+
+
+def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    name = state.bucket_name(bucket)
+    if buffer.is_sparse:
+        return state.client.allreduce_async(buffer, name=name, average=True)
+    if state.dense == "topk":
+        return state.client.allreduce_async(buffer, name=name, average=True, topk=state.topk_ratio)
+    group = state.process_group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    work = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def sync_gradients(model: nn.Module, client: Client, *, average: bool = True, topk: float | None = None,
+                   prefix: str = "") -> None:
+    """Sum (or average) every parameter's gradient across the job's trainers, all tensors at once.
+
+    Sparse gradients stay sparse; dense ones are summed densely, or top-k sparsified when
+    `topk` is given. Parameters without a gradient this step send an empty one (every trainer
+    must take part in every tensor's step), so a parameter unused on one trainer still gets
+    the others' gradient.
+    """
+    futures = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        grad = p.grad
+        if grad is None:  # unused here: contribute nothing, but take part
+            grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64, device=p.device),
+                                           torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                                           p.shape) if _is_sparse_param(model, name) else torch.zeros_like(p)
+        kwargs = {"topk": topk} if topk is not None and not grad.is_sparse else {}
+        futures.append((p, client.allreduce_async(grad, name=prefix + name, average=average, **kwargs)))
+    for p, fut in futures:
+        p.grad = fut.wait()
+
+
+def _is_sparse_param(model: nn.Module, name: str) -> bool:
+    module_name, _, _ = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return bool(getattr(module, "sparse", False))

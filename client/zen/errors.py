@@ -1,0 +1,67 @@
+"""Typed exceptions: one mapping from the daemon's gRPC status codes, nothing else to catch."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ZenError(RuntimeError):
+    """Base of every zen client error; `code` is the daemon's status name."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidGradient(ZenError, ValueError):
+    """The tensor cannot be synchronised as given (shape, dtype, index, NaN, another node's shape)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotRegistered(ZenError, LookupError):
+    code = "NOT_FOUND"
+
+
+class OutOfOrder(ZenError):
+    """A step that was already synchronised, or one submitted before the previous finished."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class NotAuthorized(ZenError, PermissionError):
+    """The job token is missing or is another job's."""
+
+    code = "UNAUTHENTICATED"
+
+
+class StepTimeout(ZenError, TimeoutError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class DaemonUnavailable(ZenError, ConnectionError):
+    """No daemon at the address, a peer node lost, the daemon draining or gone mid-step."""
+
+    code = "UNAVAILABLE"
+
+
+class OutOfResources(ZenError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+_BY_CODE: dict[str, type[ZenError]] = {cls.code: cls for cls in (
+    InvalidGradient, NotRegistered, OutOfOrder, NotAuthorized, StepTimeout, DaemonUnavailable, OutOfResources)}
+_BY_CODE["PERMISSION_DENIED"] = NotAuthorized
+
+
+def from_rpc_error(exc: grpc.RpcError, address: str) -> ZenError:
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _BY_CODE.get(code, ZenError)
+    if code == "UNAVAILABLE" and ("connect" in (details or "").lower() or "No such file" in (details or "")):
+        details = f"no zend daemon answers at {address}: {details}"
+    err = cls(f"{details} [{code}]")
+    err.code = code
+    return err

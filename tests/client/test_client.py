@@ -1,0 +1,140 @@
+"""The zen client and its PyTorch integration against real daemons and real torch.distributed ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zen
+
+from tests.daemon.conftest import run_all
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300) -> list[str]:  # type: ignore[no-untyped-def]
+    """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones); return their outputs."""
+    port, world = free_port(), cluster.nodes * per_node
+    procs = []
+    for node in range(cluster.nodes):
+        for local in range(per_node):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "RANK": str(node * per_node + local), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                   "LOCAL_WORLD_SIZE": str(per_node), "ZEN_SOCKET_DIR": cluster.socket_dir(node), "ZEN_JOB": job,
+                   "ZEN_JOB_TOKEN": cluster.token(job), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            procs.append(subprocess.Popen([sys.executable, *script], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            assert p.returncode == 0, f"rank failed:\n{err[-3000:]}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def cluster2(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from zend.cluster import LocalCluster
+
+    with LocalCluster(2, tmp_path_factory.mktemp("zen2"), extra=["--log-format", "text", "--step-timeout-s",
+                                                                 "30"]) as c:
+        yield c
+
+
+def test_ddp_hook_gives_plain_ddps_gradients_with_unused_embeddings_and_topk(cluster2):
+    launch_ranks(cluster2, [str(ROOT / "tests/client/worker.py"), "ddp"], "ddp")
+
+
+def test_helper_in_fp32_fp16_bf16_with_unused_and_empty_gradients_pairs_and_async(cluster2):
+    launch_ranks(cluster2, [str(ROOT / "tests/client/worker.py"), "helper"], "helper")
+
+
+def test_daemon_absent_names_the_address(tmp_path):
+    with pytest.raises(zen.DaemonUnavailable, match=f"no zend daemon at unix:{tmp_path}/zend.sock"):
+        zen.Client(str(tmp_path), job="j", token="t")
+    with pytest.raises(zen.NotAuthorized, match="ZEN_JOB_TOKEN"):
+        zen.Client(str(tmp_path), job="j", token="")
+
+
+def test_wrong_token_and_invalid_tensors_raise_typed_errors(cluster2):
+    with pytest.raises(zen.NotAuthorized, match="not job 'j'"):
+        zen.Client(cluster2.socket_dir(0), job="j", token=cluster2.token("other"))
+    with zen.Client(cluster2.socket_dir(0), job="invalid", token=cluster2.token("invalid")) as client:
+        bad = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([[1.0], [float("nan")]]), (4, 1),
+                                      check_invariants=True)
+        with pytest.raises(zen.InvalidGradient, match="non-finite value nan in row 1"):
+            client.allreduce(bad, name="nan")
+        with pytest.raises(zen.InvalidGradient, match="sparse_dim 2"):
+            client.allreduce(torch.eye(3).to_sparse(), name="2d")
+        with pytest.raises(zen.InvalidGradient, match="int64"):
+            client.allreduce(torch.ones(3, dtype=torch.int64), name="ints")
+        with pytest.raises(zen.InvalidGradient, match="num_rows"):
+            client.allreduce((torch.tensor([1]), torch.ones(1)), name="pair")
+
+
+def test_timeout_raises_step_timeout(cluster2):
+    # node 1 never submits: node 0's step cannot finish
+    with zen.Client(cluster2.socket_dir(0), job="slow", token=cluster2.token("slow")) as client:
+        t0 = time.monotonic()
+        with pytest.raises(zen.StepTimeout):
+            client.allreduce(torch.ones(4), name="w", timeout_s=1.0)
+        assert time.monotonic() - t0 < 5
+
+
+def test_daemon_killed_mid_step_raises_daemon_unavailable(fresh_cluster):
+    c = fresh_cluster(2, extra=["--log-format", "text"])
+    with zen.Client(c.socket_dir(0), job="k", token=c.token("k")) as client:
+        threading.Timer(1.0, lambda: c.kill(0, signal.SIGKILL)).start()
+        with pytest.raises(zen.DaemonUnavailable):
+            client.allreduce(torch.ones(4), name="w", timeout_s=30)
+
+
+def test_gpt_example_same_loss_with_zen_and_with_ddp_gloo(cluster2):
+    """Example (a), 4 ranks (2 nodes x 2), 50 steps, same seed: the loss at every step agrees."""
+    from zend.cluster import LocalCluster
+
+    args = ["--steps", "50", "--dim", "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch", "2",
+            "--json"]
+    script = [str(ROOT / "examples/gpt_sparse.py")]
+    with LocalCluster(2, cluster2.workdir / "gpt", extra=["--log-format", "text"]) as c:
+        zen_out = launch_ranks(c, [*script, "--backend", "zen", *args], "gpt", per_node=2, timeout_s=600)
+    gloo_out = launch_ranks(cluster2, [*script, "--backend", "gloo", *args], "gpt", per_node=2, timeout_s=600)
+    import json
+
+    zen_losses = [json.loads(line)["loss"] for line in zen_out[0].splitlines() if line.startswith("{")]
+    gloo_losses = [json.loads(line)["loss"] for line in gloo_out[0].splitlines() if line.startswith("{")]
+    assert len(zen_losses) == len(gloo_losses) == 50
+    for step, (a, b) in enumerate(zip(zen_losses, gloo_losses, strict=True)):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"step {step}: zen {a} vs gloo {b}"
+    assert zen_losses[-1] < zen_losses[0] - 0.5  # it learns
+
+
+def test_all_tensor_kinds_over_threads_on_one_node(fresh_cluster):
+    c = fresh_cluster(1, extra=["--log-format", "text"])
+
+    def trainer(local: int):  # type: ignore[no-untyped-def]
+        with zen.Client(c.socket_dir(0), job="t", token=c.token("t"), local_rank=local,
+                        local_world_size=2) as client:
+            return client.allreduce(torch.full((5,), float(local)), name="v", topk=0.4).tolist()
+
+    results = run_all([lambda r=r: trainer(r) for r in range(2)])
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert results[0] == results[1]
