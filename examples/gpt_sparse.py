@@ -83,8 +83,8 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         seconds = time.perf_counter() - t0
         row = {"step": step, "loss": loss.item(), "seconds": seconds}
         if client is not None:
-            reply = client._link.last_reply  # the embedding bucket's Submit reply
-            row["wire_bytes"] = float(reply.bytes_sent) if reply is not None else 0.0
+            stats = client.last_stats("ddp.tokens.weight")  # zen.comm_hook names buckets by their parameters
+            row["wire_bytes"] = float(stats.bytes_sent) if stats is not None else 0.0
         else:
             row["wire_bytes"] = float("nan")  # gloo's sparse allreduce: an allgather of indices and values
         row["dense_bytes"] = dense_bytes

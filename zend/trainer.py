@@ -32,6 +32,7 @@ class TensorHandle:
     device: str = "cpu"
     input: Any = None   # SharedBuffer, grown as needed
     result: Any = None  # SharedBuffer sized for the worst case (pages are only used when written)
+    last_reply: Any = None  # this tensor's last SubmitReply (bytes, scheme, phases)
 
 
 class TrainerLink:
@@ -79,12 +80,13 @@ class TrainerLink:
         spec = handle.spec
         buf = self._input_buffer(handle, spec.nbytes(grad.nnz))
         spec.write(grad, buf.view, 0)
-        self.last_reply = self.stub.Submit(pb.SubmitRequest(
+        reply = self.stub.Submit(pb.SubmitRequest(
             session_id=self.session_id, tensor_id=handle.tensor_id, step=step,
             input=pb.BufferRef(buffer_id=buf.buffer_id, offset=0), nnz=grad.nnz,
             result=pb.BufferRef(buffer_id=handle.result.buffer_id, offset=0)),
             timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-        out = spec.read(handle.result.view, 0, self.last_reply.nnz, check=False)  # the daemon's own output
+        self.last_reply = handle.last_reply = reply
+        out = spec.read(handle.result.view, 0, reply.nnz, check=False)  # the daemon's own output
         # read() copied the indices; the values are a view of the result buffer unless copied here
         return out if not copy else out.with_values(out.values.clone())
 

@@ -5,7 +5,7 @@
     ddp.register_comm_hook(zen.HookState(client, ddp.module), zen.comm_hook)
 """
 
-from zen.client import Client
+from zen.client import Client, StepStats
 from zen.ddp import HookState, comm_hook, sync_gradients
 from zen.errors import (
     DaemonUnavailable,
@@ -27,6 +27,7 @@ __all__ = [
     "NotRegistered",
     "OutOfOrder",
     "OutOfResources",
+    "StepStats",
     "StepTimeout",
     "ZenError",
     "comm_hook",

@@ -29,6 +29,19 @@ DEFAULT_SOCKET_DIR = "/run/zend"
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What the daemon reported for a tensor's last step, as seen from this trainer's node."""
+
+    step: int
+    scheme: str
+    nnz: int  # non-zero rows of the result
+    bytes_sent: int  # by this node, for this tensor's step
+    bytes_received: int
+    dense_bytes: int  # what a dense ring allreduce would have sent from this node
+    phases: dict[str, float]  # seconds per phase in the daemon
+
+
 @dataclass
 class _Tensor:
     handle: TensorHandle
@@ -36,6 +49,7 @@ class _Tensor:
     shape: tuple[int, ...]
     next_step: int = 0
     in_flight: bool = False
+    stats: StepStats | None = None
 
 
 class Client:
@@ -95,7 +109,15 @@ class Client:
             with self._lock:
                 entry.in_flight = False
         entry.next_step = step + 1
+        r = entry.handle.last_reply
+        entry.stats = StepStats(step, r.scheme, r.nnz, r.bytes_sent, r.bytes_received, r.dense_bytes,
+                                {p.phase: p.seconds for p in r.phases})
         return self._as_output(out, kind, shape, tensor)
+
+    def last_stats(self, name: str) -> StepStats | None:
+        """The daemon's figures for tensor `name`'s last completed step (None before its first)."""
+        entry = self._tensors.get(name)
+        return entry.stats if entry is not None else None
 
     def allreduce_async(self, tensor: torch.Tensor | Indexed, **kwargs: Any) -> torch.futures.Future[Any]:
         """Like allreduce, returning a torch Future (what DDP comm hooks return)."""
