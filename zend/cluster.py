@@ -221,3 +221,40 @@ def format_rows(rows: list[dict[str, Any]], trainers: int) -> str:
                      f"{first['bytes_sent'] / 1e6:>8.3f} {first['dense_bytes'] / 1e6:>8.3f} {saved:>6.0%} "
                      f"{first['seconds'] * 1e3:>8.1f} {ok:>3}/{trainers:<4}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- a local training job
+def rank_env(node: int, local: int, nodes: int, trainers: int, master_port: int, cluster: LocalCluster | None,
+             job: str) -> dict[str, str]:
+    """torchrun's variables for one rank, and the sidecar's ZEN_* ones when there is a cluster."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(node * trainers + local),
+           "WORLD_SIZE": str(nodes * trainers), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(trainers),
+           "OMP_NUM_THREADS": "1"}
+    if cluster is not None:
+        env.update(ZEN_SOCKET_DIR=cluster.socket_dir(node), ZEN_JOB=job, ZEN_JOB_TOKEN=cluster.token(job))
+    return env
+
+
+def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool) -> int:
+    """`argv` as NODES x TRAINERS ranks on this machine (with a zend cluster if `with_zen`).
+
+    Returns the worst exit code; when a rank fails, the others (which would wait for it in
+    their process group) are stopped at once.
+    """
+    with tempfile.TemporaryDirectory(prefix=f"zen-{job}-") as tmp, contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=["--log-format", "text"])) \
+            if with_zen else None
+        port = free_port()
+        procs = [subprocess.Popen(list(argv), env={**os.environ, **rank_env(n, r, nodes, trainers, port, cluster, job)})
+                 for n in range(nodes) for r in range(trainers)]
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+    return max(abs(p.returncode) for p in procs)

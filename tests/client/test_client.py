@@ -28,14 +28,14 @@ def free_port() -> int:
 
 def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300) -> list[str]:  # type: ignore[no-untyped-def]
     """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones); return their outputs."""
-    port, world = free_port(), cluster.nodes * per_node
+    from zend.cluster import rank_env
+
+    port = free_port()
     procs = []
     for node in range(cluster.nodes):
         for local in range(per_node):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "RANK": str(node * per_node + local), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                   "LOCAL_WORLD_SIZE": str(per_node), "ZEN_SOCKET_DIR": cluster.socket_dir(node), "ZEN_JOB": job,
-                   "ZEN_JOB_TOKEN": cluster.token(job), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            env = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
+                   "PYTHONPATH": str(ROOT)}
             procs.append(subprocess.Popen([sys.executable, *script], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
     outs = []

@@ -1,4 +1,4 @@
-"""`zend serve`, `zend status`, `zend token`: the daemon's commands."""
+"""`zend serve`, `zend status`, `zend health`, `zend token`: the daemon's commands."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def add_commands(sub: Any) -> None:
     status.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
     status.add_argument("--drain", type=float, default=None, metavar="SECONDS",
                         help="ask the daemon to drain (finish steps in flight, refuse new ones)")
+    health = sub.add_parser("health", help="exit 0 if the daemon's grpc.health.v1 check says SERVING (probes)")
+    health.add_argument("--socket-dir", default=os.environ.get("ZEND_SOCKET_DIR", "/run/zend"))
+    health.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
+    health.add_argument("--timeout", type=float, default=3.0)
     token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon)")
     token.add_argument("--job", required=True)
     token.add_argument("--secret-file", default=None)
@@ -121,6 +125,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = args.address or f"unix:{os.path.join(args.socket_dir, 'zend.sock')}"
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"zend health: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"zend health: {address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def cmd_token(args: argparse.Namespace) -> int:
     from zend.daemon.jobs import job_token
     from zend.transport.handshake import HandshakeError, load_secret
@@ -133,4 +154,4 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "status": cmd_status, "token": cmd_token}
+COMMANDS = {"serve": cmd_serve, "status": cmd_status, "health": cmd_health, "token": cmd_token}

@@ -1,0 +1,3 @@
+"""The daemon fixtures, shared."""
+
+from tests.daemon.conftest import fresh_cluster  # noqa: F401
