@@ -79,6 +79,7 @@ def read_command() -> Any:
 def direct_worker(args: argparse.Namespace) -> None:
     """Commands: prepare (build the gradient), step (line up, time one sync), finish (drop it)."""
     from zend.core import Channel, make_scheme
+    from zend.core.comm import barrier
     from zend.daemon.settings import Settings
     from zend.runtime import tune_process
     from zend.transport import create
@@ -95,15 +96,6 @@ def direct_worker(args: argparse.Namespace) -> None:
         scheme = make_scheme(args.scheme, seed=d.hash_seed, min_slice_width=d.min_slice_width,
                              reprofile_every=d.reprofile_every)
 
-        def barrier(tag: str) -> None:
-            token = torch.zeros(1, dtype=torch.uint8)
-            for j in range(transport.world_size):
-                if j != transport.rank:
-                    transport.send(j, tag, token)
-            for j in range(transport.world_size):
-                if j != transport.rank:
-                    transport.recv(j, tag, 120)
-
         grad: Any = None
         label = ""
         while (cmd := read_command())["op"] != "quit":
@@ -111,7 +103,7 @@ def direct_worker(args: argparse.Namespace) -> None:
                 label, grad = cmd["label"], make_grad(args.rank, cmd["nnz"], cmd["rows"], cmd["label"])
                 send_line({})
             elif cmd["op"] == "step":
-                barrier(f"b/{label}/{cmd['step']}")
+                barrier(transport, f"b/{label}/{cmd['step']}", 120)
                 t0 = time.perf_counter()
                 result = scheme.sync(Channel(transport, f"{label}/{cmd['step']}", 120), grad)
                 seconds = time.perf_counter() - t0
@@ -120,7 +112,7 @@ def direct_worker(args: argparse.Namespace) -> None:
             else:  # finish
                 grad = None
                 send_line({})
-        barrier("end")
+        barrier(transport, "end", 120)
     finally:
         transport.close()
 
@@ -247,7 +239,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
                 out = link.allreduce(handle, grad, cmd["step"], copy=cmd["copy"])
                 seconds = time.perf_counter() - t0
                 nnz_out = out.nnz
-                phases = {p.phase: p.seconds for p in link.last_reply.phases}
+                phases = {p.phase: p.seconds for p in handle.last_reply.phases}
                 # the next fence's 1-row deliver is not in yet: this difference is this step's alone
                 phases["deliver"] = deliver_total(args.metrics_port) - delivered
                 parts = {k: clock.parts.get(k, 0.0) for k in ("write", "submit", "read")}

@@ -12,21 +12,11 @@ import torch
 import torch.distributed as dist
 
 from zend.core import Channel, make_scheme
+from zend.core.comm import barrier
 from zend.runtime import tune_allocator
 from zend.traces import TokenTrace
 from zend.transport import create
 from zend.transport.handshake import load_secret
-
-
-def barrier(transport, tag: str) -> None:  # type: ignore[no-untyped-def]
-    """Everyone waits for everyone (a tiny all-to-all on the data plane)."""
-    token = torch.zeros(1, dtype=torch.uint8)
-    for j in range(transport.world_size):
-        if j != transport.rank:
-            transport.send(j, tag, token)
-    for j in range(transport.world_size):
-        if j != transport.rank:
-            transport.recv(j, tag)
 
 
 def main() -> None:

@@ -18,14 +18,13 @@ wire for the embedding against a dense allreduce; `--json` prints one JSON line 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+from reporting import report_step, report_summary  # examples/reporting.py
 from torch import nn
 
 from zend.traces import GPT2_VOCAB, TokenTrace
@@ -85,32 +84,13 @@ def train(args: argparse.Namespace) -> list[dict[str, float]]:
         row["dense_bytes"] = dense_bytes
         rows.append(row)
         if rank == 0:
-            if args.json:
-                print(json.dumps(row), flush=True)
-            else:
-                progress(step, args.steps, row, dense_bytes)
-    if rank == 0 and not args.json and rows:
-        mean = sum(r["seconds"] for r in rows[1:]) / max(1, len(rows) - 1)
-        print(f"\n{args.backend}: {len(rows)} steps, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
-              f"{mean * 1e3:.0f} ms per step after the first ({1 / mean:.2f} steps/s)", flush=True)
+            report_step(row, args.steps, "embedding", args.json)
+    if rank == 0 and not args.json:
+        report_summary(rows, args.backend)
     if client is not None:
         client.close()
     dist.destroy_process_group()
     return rows
-
-
-def progress(step: int, steps: int, row: dict[str, float], dense_bytes: float) -> None:
-    """A progress bar on a terminal (one line redrawn), a line per step otherwise."""
-    done = (step + 1) / steps
-    bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-    wire = "" if math.isnan(row["wire_bytes"]) else (
-        f"  embedding {row['wire_bytes'] / 1e6:5.2f} MB on the wire vs {dense_bytes / 1e6:5.2f} MB dense "
-        f"({1 - row['wire_bytes'] / dense_bytes:.0%} saved)")
-    line = f"[{bar}] {step + 1}/{steps}  loss {row['loss']:.4f}  {row['seconds'] * 1e3:6.0f} ms/step{wire}"
-    if sys.stdout.isatty():
-        print("\r" + line, end="", flush=True)
-    else:
-        print(line, flush=True)
 
 
 def launch(args: argparse.Namespace) -> int:

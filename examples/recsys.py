@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
-import math
 import os
 import sys
 import time
@@ -39,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from reporting import report_step, report_summary  # examples/reporting.py
 from torch import nn
 
 DATA = Path(__file__).resolve().parent / "data" / "ml-100k"
@@ -217,17 +216,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         row["dense_bytes"] = dense_bytes
         rows.append(row)
         if rank == 0:
-            if args.json:
-                print(json.dumps(row), flush=True)
-            else:
-                wire = row["wire_bytes"]
-                saved = "" if math.isnan(wire) or not dense_bytes else f"  tables on the wire " \
-                    f"{wire / 1e6:6.3f} MB vs dense {dense_bytes / 1e6:6.3f} MB ({1 - wire / dense_bytes:.0%} saved)"
-                print(f"step {step:4d}  loss {loss.item():.4f}  {seconds * 1e3:7.1f} ms{saved}", flush=True)
-    if rank == 0 and not args.json and rows:
-        mean = sum(r["seconds"] for r in rows[1:]) / max(1, len(rows) - 1)
-        print(f"\n{args.backend}: {len(rows)} steps, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
-              f"{mean * 1e3:.0f} ms per step after the first", flush=True)
+            report_step(row, args.steps, "tables", args.json)
+    if rank == 0 and not args.json:
+        report_summary(rows, args.backend)
     if client is not None:
         client.close()
     dist.destroy_process_group()

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from zend.daemon.commands import health_status
 from zend.daemon.jobs import job_token
 
 
@@ -107,17 +107,14 @@ class LocalCluster:
         """Until the node's health check says SERVING; the error carries the end of its log."""
         deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
         address = f"unix:{os.path.join(self.socket_dir(node), 'zend.sock')}"
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                proc = self.procs.get(node)
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"zend node {node} exited with {proc.returncode}:\n{self.log_tail(node)}")
-                with contextlib.suppress(grpc.RpcError):
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                time.sleep(0.1)
+        while time.monotonic() < deadline:
+            proc = self.procs.get(node)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"zend node {node} exited with {proc.returncode}:\n{self.log_tail(node)}")
+            with contextlib.suppress(grpc.RpcError):
+                if health_status(address, 1.0) == "SERVING":
+                    return
+            time.sleep(0.1)
         raise RuntimeError(f"zend node {node} not ready within the timeout:\n{self.log_tail(node)}")
 
     def log_tail(self, node: int, lines: int = 30) -> str:

@@ -19,10 +19,10 @@ from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferClient
 from zend.core.sparse import SparseGrad
-from zend.daemon.tensors import TensorSpec
+from zend.daemon.tensors import DTYPES, TensorSpec
 
-DTYPE_ENUMS = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_ENUMS = {dtype: pb.DType.Value(name.upper()) for name, dtype in DTYPES.items()}
 
 
 @dataclass
@@ -49,7 +49,6 @@ class TrainerLink:
         self.session_id = reply.session_id
         self.node_rank, self.node_count = reply.node_rank, reply.node_count
         self.buffers = BufferClient(reply.buffer_socket, self.session_id, timeout_s=timeout_s)
-        self.last_reply: Any = None
 
     def register(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, dense: bool = False,
                  average: bool = False, device: str = "cpu") -> TensorHandle:
@@ -85,7 +84,7 @@ class TrainerLink:
             input=pb.BufferRef(buffer_id=buf.buffer_id, offset=0), nnz=grad.nnz,
             result=pb.BufferRef(buffer_id=handle.result.buffer_id, offset=0)),
             timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-        self.last_reply = handle.last_reply = reply
+        handle.last_reply = reply
         out = spec.read(handle.result.view, 0, reply.nnz, check=False)  # the daemon's own output
         # read() copied the indices; the values are a view of the result buffer unless copied here
         return out if not copy else out.with_values(out.values.clone())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,14 +15,9 @@ import torch
 import zen
 
 from tests.daemon.conftest import run_all
+from zend.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300) -> list[str]:  # type: ignore[no-untyped-def]

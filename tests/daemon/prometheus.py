@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
+
+from zend.cluster import free_port
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
 READY_TIMEOUT_S = 60.0
@@ -35,12 +36,6 @@ def prometheus_binary() -> str | None:
     if found:
         return found
     return DEFAULT_BINARY if os.access(DEFAULT_BINARY, os.X_OK) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _duration(seconds: float) -> str:
@@ -120,7 +115,7 @@ class PrometheusServer:
     def _start(self, binary: str, last_attempt: bool) -> bool:
         """Start Prometheus and wait for /-/ready; False when its port was taken and another may be tried."""
         self.stop()
-        self.port = _free_port()
+        self.port = free_port()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (held open for the process' life; closed in stop)
         self._proc = subprocess.Popen(
             [binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.data_path}",

@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from typing import IO, Any
 
 import pytest
 
+from zend.cluster import free_port
 from zend.daemon.membership import (
     MembershipError,
     RendezvousTimeoutError,
@@ -78,12 +78,6 @@ for fd_in, fd_out in pairs:
 for pid in children:
     os.waitpid(pid, 0)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RankProcesses:

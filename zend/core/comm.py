@@ -41,6 +41,17 @@ class Communicator(ABC):
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor: ...
 
 
+def barrier(comm: Communicator, tag: str, timeout_s: float | None = None) -> None:
+    """Every rank waits for every other (a tiny all-to-all): lines ranks up before a timed step."""
+    token = torch.zeros(1, dtype=torch.uint8)
+    for j in range(comm.world_size):
+        if j != comm.rank:
+            comm.send(j, tag, token)
+    for j in range(comm.world_size):
+        if j != comm.rank:
+            comm.recv(j, tag, timeout_s)
+
+
 @dataclass
 class PhaseTraffic:
     bytes_sent: int = 0

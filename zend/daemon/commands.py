@@ -8,10 +8,9 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import fields
 from typing import Any
 
-from zend.daemon.settings import Settings, SettingsError, resolve
+from zend.daemon.settings import FIELDS, SettingsError, resolve
 
 log = logging.getLogger("zend.daemon")
 HELP = {
@@ -32,9 +31,7 @@ def add_commands(sub: Any) -> None:
                            description="Run the zend daemon. Every flag also reads ZEND_<NAME> (e.g. ZEND_WORLD_SIZE) "
                                        "and the TOML file given by --config or $ZEND_CONFIG; flags win.")
     serve.add_argument("--config", default=None, help="TOML file of settings (names as the flags, with _)")
-    for f in fields(Settings):
-        if f.name == "sources":
-            continue
+    for f in FIELDS.values():
         kind = {int: int, float: float}.get(type(f.default), str) if f.name != "peers" else str
         serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                            help=f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
@@ -57,8 +54,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from zend.daemon.logs import setup_logging
     from zend.daemon.server import Daemon
     from zend.runtime import tune_process
+    from zend.transport.handshake import HandshakeError
 
-    flags = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name != "sources"}
+    flags = {name: getattr(args, name) for name in FIELDS}
     try:
         settings = resolve(flags, config_file=args.config)
     except SettingsError as exc:
@@ -66,8 +64,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     setup_logging(settings.log_format, settings.log_level)
     tune_process(settings.threads)  # few threads, pages kept (benchmarks/daemon_overhead.py shows both matter)
-    daemon = Daemon(settings) if _secret_ok(settings) else None
-    if daemon is None:
+    try:
+        daemon = Daemon(settings)  # reads the cluster secret
+    except (OSError, HandshakeError) as exc:
+        print(f"zend serve: cluster secret: {exc}", file=sys.stderr)
         return 2
     stop_requested = []
 
@@ -89,17 +89,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     daemon.drain(settings.drain_timeout_s)
     daemon.stop()
     return 0
-
-
-def _secret_ok(settings: Settings) -> bool:
-    from zend.transport.handshake import HandshakeError, load_secret
-
-    try:
-        load_secret(settings.secret_file or None)
-    except (OSError, HandshakeError) as exc:
-        print(f"zend serve: cluster secret: {exc}", file=sys.stderr)
-        return False
-    return True
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -125,21 +114,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_health(args: argparse.Namespace) -> int:
+def health_status(address: str, timeout_s: float) -> str:
+    """The daemon's overall grpc.health.v1 status ("SERVING", "NOT_SERVING", ...); grpc.RpcError if
+    nobody answers."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    address = args.address or f"unix:{os.path.join(args.socket_dir, 'zend.sock')}"
     with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                              timeout=args.timeout)
-        except grpc.RpcError as exc:
-            print(f"zend health: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                          timeout=timeout_s)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+
+    address = args.address or f"unix:{os.path.join(args.socket_dir, 'zend.sock')}"
+    try:
+        status = health_status(address, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"zend health: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     print(f"zend health: {address}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if status == "SERVING" else 1
 
 
 def cmd_token(args: argparse.Namespace) -> int:

@@ -55,7 +55,6 @@ class DaemonMetrics:
         self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
                           ["node", "transport", "ucx_transports", "membership"], registry=r)
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
-        self.node = str(node)
 
     def tensor_label(self, job: str, name: str) -> tuple[str, str]:
         """(job, tensor) labels, or ("other", "other") past the bound."""

@@ -215,9 +215,8 @@ class Daemon:
             self.buffers.close()
         if self.transport is not None:
             self.transport.close()
-        for path in (self.settings.grpc_socket,):
-            if os.path.exists(path):
-                os.unlink(path)
+        if os.path.exists(self.settings.grpc_socket):
+            os.unlink(self.settings.grpc_socket)
         log.info("daemon stopped", extra={"event": "stopped"})
 
     def wait(self, timeout_s: float | None = None) -> bool:

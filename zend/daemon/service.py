@@ -19,7 +19,7 @@ from zend.core.sparse import SparseGradError
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import Session
-from zend.daemon.tensors import TensorSpec
+from zend.daemon.tensors import DTYPES, TensorSpec
 
 if TYPE_CHECKING:
     from zend.daemon.server import Daemon
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zend.service")
 T = TypeVar("T")
 
-DTYPE_NAMES = {pb.FLOAT32: "float32", pb.FLOAT16: "float16", pb.BFLOAT16: "bfloat16"}
+DTYPE_NAMES = {pb.DType.Value(name.upper()): name for name in DTYPES}  # FLOAT32 -> "float32", ...
 DTYPE_ENUMS = {v: k for k, v in DTYPE_NAMES.items()}
 LAYOUT_NAMES = {pb.SPARSE_ROWS: "sparse_rows", pb.DENSE: "dense"}
 LAYOUT_ENUMS = {v: k for k, v in LAYOUT_NAMES.items()}

@@ -75,18 +75,13 @@ class Settings:
         return {"scheme": self.scheme, "hash_seed": self.hash_seed, "min_slice_width": self.min_slice_width,
                 "reprofile_every": self.reprofile_every, "world_size": self.world_size}
 
-    def public(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
-
 
 FIELDS = {f.name: f for f in fields(Settings) if f.name != "sources"}
 
 
 def _convert(name: str, value: Any, source: str) -> Any:
-    default = getattr(Settings, name, None) if name != "peers" else ()
+    default = getattr(Settings, name)
     try:
-        if isinstance(default, bool):
-            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
         if isinstance(default, int):
             return int(value)
         if isinstance(default, float):

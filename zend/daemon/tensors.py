@@ -58,7 +58,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=DTYPES[self.dtype_name]).element_size()
+        return DTYPES[self.dtype_name].itemsize
 
     @property
     def num_rows(self) -> int:
