@@ -1,7 +1,12 @@
-"""Fixtures that own every transport and process a test starts, and stop them on failure too."""
+"""Rank processes for transport tests (tests/transport/worker.py), stopped at teardown, also on failure.
+
+Every rank is a process of its own with one transport, the shape the daemons run in; the
+same tests run against tcp:// and ucx:// (the `scheme` fixture).
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -9,123 +14,170 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from zend.emulated import EmulatedCluster, available
-from zend.transport import create
 
 SECRET = b"test-cluster-secret-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def on_every_rank(transports: list, body: Callable[[object], None], timeout_s: float = 60.0) -> None:
-    """Run body(transport) for every rank at once, on threads; re-raise the first failure."""
-    errors: list[BaseException] = []
+class RemoteError(Exception):
+    """A command failed inside a rank process; `kind` is the exception's class name there."""
 
-    def run(t) -> None:  # type: ignore[no-untyped-def]
-        try:
-            body(t)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in transports]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout_s)
-    if errors:
-        raise errors[0]
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
 
 
-def connect_all(transports: list) -> None:
-    peers = {t.rank: t.address for t in transports}
-    on_every_rank(transports, lambda t: t.connect(peers, timeout_s=20))  # type: ignore[attr-defined]
+class Rank:
+    """One rank process: `call(op, **args)` runs a worker command and returns its answer."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, port: int, host: str):
+        self.rank, self.proc, self.port, self.host = rank, proc, port, host
+        self._ids = itertools.count()
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._cond = threading.Condition()
+        self._chatter: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if not line.startswith("{"):
+                self._chatter.append(line)  # libraries' output, kept for failure messages
+                continue
+            answer = json.loads(line)
+            with self._cond:
+                self._answers[answer["id"]] = answer
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def start(self, op: str, **args: Any) -> int:
+        """Send a command without waiting; `wait(id)` collects its answer."""
+        ident = next(self._ids)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": ident, "op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return ident
+
+    def wait(self, ident: int, timeout_s: float = 60.0) -> dict[str, Any]:
+        with self._cond:
+            if not self._cond.wait_for(lambda: ident in self._answers or self.proc.poll() is not None, timeout_s):
+                raise TimeoutError(f"rank {self.rank}: no answer to command {ident} in {timeout_s} s")
+            if ident not in self._answers:
+                raise RuntimeError(f"rank {self.rank} exited with {self.proc.wait()}: {''.join(self._chatter)[-2000:]}")
+            answer = self._answers.pop(ident)
+        if "error" in answer:
+            raise RemoteError(answer["type"], answer["error"])
+        return answer
+
+    def call(self, op: str, wait_s: float = 60.0, **args: Any) -> dict[str, Any]:
+        """Run a command and wait up to wait_s for its answer (args may carry the command's own timeout_s)."""
+        return self.wait(self.start(op, **args), wait_s)
+
+    def exit(self) -> int:
+        """Close the transport and wait for the process to end; its exit code."""
+        if self.proc.poll() is None:
+            self.call("exit", wait_s=15)
+        return self.proc.wait(15)
 
 
-UCX_CONFORMANCE_ENV = "ZEN_TEST_UCX_CONFORMANCE"
+def call_all(ranks: list[Rank], op: str, wait_s: float = 60.0, **args: Any) -> list[dict[str, Any]]:
+    """The same command on every rank at once; their answers (the first failure is raised)."""
+    idents = [r.start(op, **args) for r in ranks]
+    return [r.wait(i, wait_s) for r, i in zip(ranks, idents, strict=True)]
 
 
-@pytest.fixture(params=["tcp", "ucx"])
-def scheme(request) -> str:  # type: ignore[no-untyped-def]
-    """The transport under test: the conformance suite runs against every backend.
-
-    ucx:// runs in the conformance suite only with ZEN_TEST_UCX_CONFORMANCE=1: that suite keeps
-    several UCX transports in one process, and ucxx's event loop wedged there in CI (a known
-    issue, open in issue 3). UCX across real processes, the deployed shape, always runs
-    (test_schemes_over_processes.py).
-    """
-    if (request.param == "ucx" and request.module.__name__.endswith("test_conformance")
-            and not os.environ.get(UCX_CONFORMANCE_ENV)):
-        pytest.skip(f"ucx:// conformance runs with {UCX_CONFORMANCE_ENV}=1 (ucxx can wedge with many "
-                    "endpoints in one process); UCX across processes is tested in test_schemes_over_processes")
-    return request.param
+def peer_table(ranks: list[Rank]) -> dict[str, list]:
+    return {str(r.rank): list(r.address) for r in ranks}
 
 
-@pytest.fixture
-def mesh(scheme) -> Iterator[Callable[..., list]]:  # type: ignore[no-untyped-def]
-    """mesh(n, **options) -> n connected transports in this process (real sockets, loopback)."""
-    made: list = []
-
-    def make(n: int, connect: bool = True, **options) -> list:  # type: ignore[no-untyped-def]
-        options.setdefault("cluster_id", "test")
-        options.setdefault("secret", SECRET)
-        options.setdefault("timeout_s", 10.0)
-        ts = [create(f"{scheme}://127.0.0.1:0", r, n, **options) for r in range(n)]
-        made.extend(ts)
-        if connect:
-            connect_all(ts)
-        return ts
-
-    yield make
-    for t in made:
-        t.close()
-
-
-class Workers:
-    """Rank processes started by a test (tests/transport/worker.py); all killed at teardown."""
+class RankProcesses:
+    """Starts rank processes for one test; kills whatever is still running at teardown."""
 
     def __init__(self, scheme: str):
         self.scheme = scheme
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, rank: int, world_size: int, mode: str, *extra: str, host: str = "127.0.0.1",
-              cluster: EmulatedCluster | None = None) -> tuple[subprocess.Popen, int]:
-        """Start rank `rank` on loopback, or inside host `rank` of an emulated cluster."""
-        env = dict(os.environ, ZEN_CLUSTER_SECRET=SECRET.decode())
+    def launch(self, rank: int, world_size: int, *, host: str = "127.0.0.1", cluster: EmulatedCluster | None = None,
+               secret: bytes = SECRET, **options: Any) -> subprocess.Popen:
+        """Start the process of rank `rank` on loopback, or inside host `rank` of an emulated cluster.
+
+        options: cluster_id, generation, protocol_version, timeout_s, max_buffered_bytes.
+        """
+        env = dict(os.environ, ZEN_CLUSTER_SECRET=secret.decode(), PYTHONPATH=str(ROOT))
         argv = [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://{host}:0",
-                "--rank", str(rank), "--world-size", str(world_size), "--mode", mode, *extra]
+                "--rank", str(rank), "--world-size", str(world_size)]
+        for key, value in options.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
         if cluster is None:
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         else:  # hosts share this machine: UCX must not take shared memory past the shaped links
             env["UCX_TLS"] = "tcp"
             proc = cluster.popen(rank, argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def ready(rank: int, proc: subprocess.Popen, host: str) -> Rank:
+        """Wait for a launched rank to print its port."""
         assert proc.stdout is not None
         seen = []
         while not (line := proc.stdout.readline()).startswith("PORT "):  # skip libraries' chatter
             seen.append(line)
-            assert line and len(seen) < 50, f"worker {rank} never printed its port: {seen}"
-        return proc, int(line.split()[1])
+            assert line and len(seen) < 50, f"rank {rank} never printed its port (exit {proc.poll()}): {seen}"
+        return Rank(rank, proc, int(line.split()[1]), host)
 
-    @staticmethod
-    def send_peers(proc: subprocess.Popen, peers: dict[int, tuple[str, int]]) -> None:
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps({str(k): list(v) for k, v in peers.items()}) + "\n")
-        proc.stdin.flush()
+    def start(self, rank: int, world_size: int, host: str = "127.0.0.1", **options: Any) -> Rank:
+        return self.ready(rank, self.launch(rank, world_size, host=host, **options), host)
+
+    def mesh(self, n: int, connect: bool = True, cluster: EmulatedCluster | None = None, **options: Any) -> list[Rank]:
+        """n rank processes (started side by side), connected to each other unless connect=False."""
+        hosts = [cluster.address(r) if cluster else "127.0.0.1" for r in range(n)]
+        procs = [self.launch(r, n, host=hosts[r], cluster=cluster, **options) for r in range(n)]
+        ranks = [self.ready(r, proc, hosts[r]) for r, proc in enumerate(procs)]
+        if connect:
+            call_all(ranks, "connect", peers=peer_table(ranks))
+        return ranks
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module", params=["tcp", "ucx"])
+def scheme(request) -> str:  # type: ignore[no-untyped-def]
+    """The transport under test: every test here runs against each backend."""
+    if request.param == "ucx":
+        pytest.importorskip("ucxx", reason="ucxx is not installed (install the `ucx` extra)")
+    return request.param
 
 
 @pytest.fixture
-def workers(scheme) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
-    w = Workers(scheme)
-    yield w
-    w.stop()
+def processes(scheme) -> Iterator[RankProcesses]:  # type: ignore[no-untyped-def]
+    procs = RankProcesses(scheme)
+    yield procs
+    procs.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh8(scheme) -> Iterator[list[Rank]]:  # type: ignore[no-untyped-def]
+    """Eight connected ranks shared by the tests of a module that leave them intact (own tags)."""
+    procs = RankProcesses(scheme)
+    try:
+        yield procs.mesh(8)
+    finally:
+        procs.stop()
 
 
 @pytest.fixture

@@ -1,173 +1,209 @@
-"""One conformance suite for every transport (the `scheme` fixture): real sockets, loopback."""
+"""One conformance suite for every transport (the `scheme` fixture): rank processes, real sockets, loopback."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
 
 import pytest
-import torch
 
-from tests.transport.conftest import SECRET, connect_all, on_every_rank
-from zend.core import CommError
-from zend.transport import create, parse_uri
+from tests.transport.conftest import Rank, RankProcesses, RemoteError, call_all, peer_table
+from zend.transport import parse_uri
 from zend.transport.framed import MAGIC
-from zend.transport.handshake import HandshakeError
 
 
-def test_messages_between_a_pair_arrive_in_order(mesh):
-    a, b = mesh(2)
-    for i in range(200):
-        b.send(0, "t", torch.tensor([i], dtype=torch.int32).view(torch.uint8))
-    got = [int(a.recv(1, "t").view(torch.int32)) for _ in range(200)]
-    assert got == list(range(200))
+def test_messages_between_a_pair_arrive_in_order(mesh8):
+    a, b = mesh8[0], mesh8[1]
+    seeds = list(range(200))
+    receiving = a.start("recv", src=1, tag="order", seeds=seeds, size=16)
+    b.call("send", dst=0, tag="order", seeds=seeds, size=16)
+    assert all(a.wait(receiving)["intact"])  # every message is the one sent in that position
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096, 64 << 20])
-def test_sizes_from_empty_to_64_mib_arrive_intact(mesh, size):
-    a, b = mesh(2)
-    payload = torch.randint(0, 256, (size,), dtype=torch.uint8)
-    b.send(0, "big", payload)
-    got = a.recv(1, "big")
-    assert got.dtype == torch.uint8 and torch.equal(got, payload)
+def test_sizes_from_empty_to_64_mib_arrive_intact(mesh8, size):
+    a, b = mesh8[2], mesh8[3]
+    b.call("send", dst=2, tag=f"size/{size}", seeds=[size], size=size)
+    got = a.call("recv", src=3, tag=f"size/{size}", seeds=[size], size=size)
+    assert got["numel"] == [size] and got["intact"] == [True]
+
+
+def test_received_payloads_land_in_reused_buffers(mesh8):
+    a, b = mesh8[2], mesh8[3]
+    before = a.call("pool")["stats"]
+    for i in range(10):  # each message is dropped after its check, so its block comes back
+        b.call("send", dst=2, tag="reuse", seeds=[i], size=1 << 20)
+        assert a.call("recv", src=3, tag="reuse", seeds=[i], size=1 << 20)["intact"] == [True]
+    after = a.call("pool")["stats"]
+    assert after["reused"] - before["reused"] >= 9
+    assert after["allocated"] - before["allocated"] <= 1
 
 
 @pytest.mark.parametrize("n", [4, 8])
-def test_concurrent_all_to_all(mesh, n):
-    ts = mesh(n)
+def test_concurrent_all_to_all(mesh8, n):
+    ranks = mesh8[:n]
 
-    def rank_body(t) -> None:  # type: ignore[no-untyped-def]
+    def seed(src: int, dst: int) -> int:
+        return 1000 * n + 10 * src + dst
+
+    pending = []
+    for r in ranks:  # every send and every receive of every rank in flight at once
         for j in range(n):
-            if j != t.rank:
-                t.send(j, "a2a", torch.full((100_000 + t.rank,), t.rank * 10 + j, dtype=torch.uint8))
-        for j in range(n):
-            if j != t.rank:
-                got = t.recv(j, "a2a")
-                assert got.numel() == 100_000 + j and bool((got == j * 10 + t.rank).all())
-
-    on_every_rank(ts, rank_body)
-
-
-def test_tags_keep_messages_apart(mesh):
-    a, b = mesh(2)
-    b.send(0, "x", torch.tensor([1], dtype=torch.uint8))
-    b.send(0, "y", torch.tensor([2], dtype=torch.uint8))
-    assert int(a.recv(1, "y")) == 2 and int(a.recv(1, "x")) == 1
+            if j != r.rank:
+                pending.append((r, r.start("send", dst=j, tag=f"a2a/{n}", seeds=[seed(r.rank, j)],
+                                           size=100_000 + r.rank)))
+                pending.append((r, r.start("recv", src=j, tag=f"a2a/{n}", seeds=[seed(j, r.rank)],
+                                           size=100_000 + j)))
+    answers = [r.wait(i) for r, i in pending]
+    received = [a for a in answers if "intact" in a]
+    assert len(received) == n * (n - 1) and all(a["intact"] == [True] for a in received)
 
 
-def _refusal(mesh, field: str, **override) -> str:  # type: ignore[no-untyped-def]
-    good = mesh(2, connect=False)
-    bad = mesh(2, connect=False, **override)
-    peers = {0: good[0].address, 1: good[0].address}  # bad rank 1 dials good rank 0
-    with pytest.raises((HandshakeError, CommError)) as info:
-        bad[1].connect(peers, timeout_s=3)
-    assert field in str(info.value), str(info.value)
-    return str(info.value)
+def test_tags_keep_messages_apart(mesh8):
+    a, b = mesh8[4], mesh8[5]
+    b.call("send", dst=4, tag="x", seeds=[1], size=8)
+    b.call("send", dst=4, tag="y", seeds=[2], size=8)
+    assert a.call("recv", src=5, tag="y", seeds=[2], size=8)["intact"] == [True]
+    assert a.call("recv", src=5, tag="x", seeds=[1], size=8)["intact"] == [True]
 
 
-def test_wrong_secret_is_refused(mesh):
-    _refusal(mesh, "authentication failed", secret=b"another-secret-0123456789")
+def test_recv_times_out_naming_the_peer(mesh8):
+    with pytest.raises(RemoteError, match=r"CommTimeout: .*no message from rank 7 \(tag 'never'\) within 0.5 s"):
+        mesh8[6].call("recv", src=7, tag="never", seeds=[0], size=1, timeout_s=0.5)
 
 
-def test_version_mismatch_is_refused_naming_the_field(mesh):
-    _refusal(mesh, "protocol version 2 != 1", protocol_version=2)
+def test_ucx_reports_the_transports_it_uses(mesh8):
+    used = set(mesh8[0].call("transports")["transports"])
+    if mesh8[0].proc.args[4].startswith("ucx://"):  # argv: python -m module --uri URI
+        assert used & {"tcp", "posix", "sysv", "cma", "xpmem"}, used
+    else:
+        assert used == {"tcp"}
 
 
-def test_cluster_and_generation_mismatch_are_refused(mesh):
-    _refusal(mesh, "cluster id 'other' != 'test'", cluster_id="other")
-    _refusal(mesh, "membership generation 7 != 0", generation=7)
+def _refused(processes: RankProcesses, field: str, **override) -> Rank:  # type: ignore[no-untyped-def]
+    """A bad rank 1 dials a good rank 0 and is refused naming `field`; the good rank is returned."""
+    launched = processes.launch(0, 2), processes.launch(1, 2, **override)
+    good, bad = (processes.ready(r, proc, "127.0.0.1") for r, proc in enumerate(launched))
+    with pytest.raises(RemoteError, match=field):
+        bad.call("connect", peers={"0": list(good.address), "1": list(bad.address)}, timeout_s=3)
+    return good
 
 
-def test_garbage_on_the_socket_is_refused_and_others_are_served(mesh):
-    a, b = mesh(2)
+def test_wrong_secret_is_refused_and_the_right_one_still_gets_in(processes):
+    good = _refused(processes, "authentication failed", secret=b"another-secret-0123456789")
+    linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=20)
+    right = processes.start(1, 2)
+    right.call("connect", peers={"0": list(good.address), "1": list(right.address)})
+    good.wait(linking)
+    right.call("send", dst=0, tag="in", seeds=[3], size=64)
+    assert good.call("recv", src=1, tag="in", seeds=[3], size=64)["intact"] == [True]
+
+
+def test_version_mismatch_is_refused_naming_the_field(processes):
+    _refused(processes, "protocol version 2 != 1", protocol_version=2)
+
+
+def test_cluster_id_mismatch_is_refused_naming_the_field(processes):
+    _refused(processes, "cluster id 'other' != 'test'", cluster_id="other")
+
+
+def test_generation_mismatch_is_refused_naming_the_field(processes):
+    _refused(processes, "membership generation 7 != 0", generation=7)
+
+
+def test_garbage_on_the_socket_is_refused_and_others_are_served(processes):
+    a, b = processes.mesh(2)
     for junk in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", b"\xff\xff\xff\x7f" + b"x" * 100):
         with socket.create_connection(a.address, timeout=5) as s:
             s.sendall(junk)
-            s.settimeout(5)
+            s.settimeout(2)  # UCX's listener drops junk silently: nothing comes back
             reply = b""
             with contextlib.suppress(OSError):
                 reply = s.recv(100)  # refused: an error message or a closed connection
             assert MAGIC not in reply and b"challenge" not in reply
-    b.send(0, "after", torch.tensor([7], dtype=torch.uint8))
-    assert int(a.recv(1, "after")) == 7
+    b.call("send", dst=0, tag="after", seeds=[7], size=1)
+    assert a.call("recv", src=1, tag="after", seeds=[7], size=1)["intact"] == [True]
 
 
-def test_recv_times_out_naming_the_peer(mesh):
-    a, _ = mesh(2)
+def test_closed_peer_fails_pending_recv_at_once(processes):
+    a, b = processes.mesh(2)
+    pending = a.start("recv", src=1, tag="pending", seeds=[0], size=1, timeout_s=30)
+    time.sleep(0.3)
+    assert b.exit() == 0
+    with pytest.raises(RemoteError, match=r"rank 1 .*disconnected") as info:
+        a.wait(pending)
+    assert "timeout" not in str(info.value).lower()
+
+
+def test_backpressure_bounds_unclaimed_bytes(processes):
+    a = processes.start(0, 2, max_buffered_bytes=4 << 20)
+    b = processes.start(1, 2)
+    call_all([a, b], "connect", peers=peer_table([a, b]))
+    sending = b.start("send", dst=0, tag="m", seeds=list(range(64)), size=1 << 20)  # past the socket buffers
+    time.sleep(1.5)
+    assert a.call("buffered", src=1)["bytes"] <= (4 << 20) + (1 << 20)  # the limit plus one message
+    with pytest.raises(TimeoutError):
+        b.wait(sending, timeout_s=0.1)  # the sender is held back
+    assert all(a.call("recv", src=1, tag="m", seeds=list(range(64)), size=1 << 20)["intact"])
+    b.wait(sending, timeout_s=20)
+
+
+def test_peer_killed_mid_transfer_fails_in_bounded_time(processes):
+    a = processes.start(0, 2, timeout_s=30, max_buffered_bytes=256 << 20)
+    b = processes.start(1, 2, timeout_s=30)
+    call_all([a, b], "connect", peers=peer_table([a, b]))
+    b.start("flood", dst=0, tag="flood", size=64 << 20)
+    deadline = time.monotonic() + 20
+    while a.call("buffered", src=1)["bytes"] < 64 << 20:  # it is streaming 64 MiB messages
+        assert time.monotonic() < deadline, "the flood never arrived"
+        time.sleep(0.05)
+    pending = a.start("recv", src=1, tag="flood/never", seeds=[0], size=1, timeout_s=30)
+    b.proc.kill()  # mid-way through a message: the receiver holds at most 256 MiB
     start = time.monotonic()
-    with pytest.raises(CommError, match=r"no message from rank 1 \(tag 'never'\) within 0.5 s"):
-        a.recv(1, "never", timeout_s=0.5)
-    assert time.monotonic() - start < 3
-
-
-def test_closed_peer_fails_pending_recv_at_once(mesh):
-    a, b = mesh(2)
-    threading.Timer(0.3, b.close).start()
-    start = time.monotonic()
-    with pytest.raises(CommError, match=r"rank 1 .*disconnected"):
-        a.recv(1, "pending", timeout_s=30)
+    with pytest.raises(RemoteError, match=r"rank 1 at 127\.0\.0\.1"):
+        a.wait(pending)
     assert time.monotonic() - start < 5
 
 
-def test_backpressure_bounds_unclaimed_bytes(mesh):
-    a, b = mesh(2, max_buffered_bytes=4 << 20)
-    sender_done = threading.Event()
-
-    def flood() -> None:
-        for i in range(16):
-            b.send(0, f"m{i}", torch.zeros(1 << 20, dtype=torch.uint8))
-        sender_done.set()
-
-    threading.Thread(target=flood, daemon=True).start()
-    time.sleep(1.0)
-    assert a.peers[1].buffered <= (4 << 20) + (1 << 20)  # the limit plus one message in flight
-    for i in range(16):
-        assert a.recv(1, f"m{i}").numel() == 1 << 20
-    assert sender_done.wait(10)
-
-
-def test_peer_killed_mid_transfer_fails_in_bounded_time(workers):
-    me = create(f"{workers.scheme}://127.0.0.1:0", 0, 2, cluster_id="test", secret=SECRET, timeout_s=30)
-    try:
-        proc, port = workers.start(1, 2, "flood")
-        workers.send_peers(proc, {0: me.address, 1: ("127.0.0.1", port)})
-        me.connect({0: me.address, 1: ("127.0.0.1", port)})
-        assert me.recv(1, "flood/0").numel() == 64 << 20  # it is streaming
-        time.sleep(0.05)
-        proc.kill()  # mid-way through a 64 MiB message
-        start = time.monotonic()
-        with pytest.raises(CommError, match=r"rank 1 at 127\.0\.0\.1"):
-            for step in range(1, 10_000):
-                me.recv(1, f"flood/{step}", timeout_s=30)
-        assert time.monotonic() - start < 5
-    finally:
-        me.close()
+def test_restarted_peer_reconnects(processes):
+    zero, me = processes.mesh(2, timeout_s=20)  # rank 0 accepts; rank 1 dials it
+    zero.start("echo", peer=1, count=1000)
+    me.call("send", dst=0, tag="ping/0", seeds=[5], size=100)
+    assert me.call("recv", src=0, tag="pong/0", seeds=[5], size=100)["intact"] == [True]
+    zero.proc.kill()
+    zero.proc.wait(10)
+    with pytest.raises(RemoteError, match=r"rank 0 at 127\.0\.0\.1"):
+        me.call("recv", src=0, tag="pong/1", seeds=[5], size=100, timeout_s=5)
+    again = processes.start(0, 2, timeout_s=20)  # the restarted node, on a new port
+    linking = again.start("connect", peers={"0": list(again.address), "1": list(me.address)}, timeout_s=20)
+    me.call("redial", peer=0, host=again.host, port=again.port, timeout_s=15)  # redialled in the background
+    again.wait(linking)
+    again.start("echo", peer=1, count=1000)
+    me.call("send", dst=0, tag="ping/0", seeds=[6], size=100)  # the new process counts from 0
+    assert me.call("recv", src=0, tag="pong/0", seeds=[6], size=100)["intact"] == [True]
 
 
-def test_restarted_peer_reconnects(workers):
-    me = create(f"{workers.scheme}://127.0.0.1:0", 1, 2, cluster_id="test", secret=SECRET, timeout_s=20)
-    try:
-        proc, port = workers.start(0, 2, "pong")  # rank 0 accepts; we (rank 1) dial it
-        peers = {0: ("127.0.0.1", port), 1: me.address}
-        workers.send_peers(proc, peers)
-        me.connect(peers)
-        ping = torch.arange(100, dtype=torch.uint8)
-        me.send(0, "ping/0", ping)
-        assert torch.equal(me.recv(0, "pong/0"), ping)
-        proc.kill()
-        proc.wait(10)
-        with pytest.raises(CommError, match=r"rank 0 at 127\.0\.0\.1"):
-            me.recv(0, "pong/1", timeout_s=5)
-        proc2, port2 = workers.start(0, 2, "pong")
-        me.peers[0].address = ("127.0.0.1", port2)  # the restarted node got a new port
-        workers.send_peers(proc2, {0: ("127.0.0.1", port2), 1: me.address})
-        me.wait_connected(0, timeout_s=15)  # redialled in the background
-        me.send(0, "ping/0", ping)  # the new process starts counting from 0
-        assert torch.equal(me.recv(0, "pong/0"), ping)
-    finally:
-        me.close()
+def test_all_ranks_connect_in_any_start_order(processes):
+    ranks = processes.mesh(5, connect=False)
+    pending = []
+    for r in reversed(ranks):
+        pending.append((r, r.start("connect", peers=peer_table(ranks))))
+        time.sleep(0.2)
+    for r, i in pending:
+        r.wait(i)
+    for r in ranks:  # a message around the ring: every rank is linked
+        r.call("send", dst=(r.rank + 1) % 5, tag="ring", seeds=[r.rank], size=4)
+    for r in ranks:
+        src = (r.rank - 1) % 5
+        assert r.call("recv", src=src, tag="ring", seeds=[src], size=4)["intact"] == [True]
+
+
+def test_every_rank_closes_and_exits_cleanly(processes):
+    ranks = processes.mesh(4)
+    start = time.monotonic()
+    assert [r.exit() for r in ranks] == [0, 0, 0, 0]
+    assert time.monotonic() - start < 15
 
 
 def test_uri_parsing_names_bad_input():
@@ -176,13 +212,6 @@ def test_uri_parsing_names_bad_input():
         parse_uri("http://x:1")
     with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
         parse_uri("tcp://hostonly")
-
-
-def test_all_ranks_connect_in_any_start_order(mesh):
-    ts = mesh(5, connect=False)
-    connect_all(list(reversed(ts)))
-    for t in ts:
-        assert all(p.link is not None for p in t.peers.values())
 
 
 def test_auto_transport_choice_and_reason():

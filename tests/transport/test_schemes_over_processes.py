@@ -1,35 +1,21 @@
-"""Every scheme over real processes and real sockets: n = 4 ranks on loopback."""
+"""Every scheme over real processes and real sockets: n = 4 ranks on loopback and in the emulated cluster."""
 
 from __future__ import annotations
 
-import json
-
-from tests.transport.conftest import Workers
+from tests.transport.conftest import RankProcesses, call_all
 from zend.emulated import EmulatedCluster
 
+SCHEMES = ["zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto"]
 
-def run_cluster(workers: Workers, n: int, cluster: EmulatedCluster | None = None) -> list[dict]:
-    def host(r: int) -> str:
-        return cluster.address(r) if cluster else "127.0.0.1"
 
-    procs = [workers.start(r, n, "schemes", host=host(r), cluster=cluster) for r in range(n)]
-    peers = {r: (host(r), port) for r, (_, port) in enumerate(procs)}
-    for proc, _ in procs:
-        workers.send_peers(proc, peers)
-    reports = []
-    for proc, _ in procs:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        while line and not line.startswith("{"):  # skip libraries' chatter
-            line = proc.stdout.readline()
-        assert line, f"worker exited with {proc.wait(30)}"
-        reports.append(json.loads(line))
-    return reports
+def run_cluster(processes: RankProcesses, n: int, cluster: EmulatedCluster | None = None) -> list[dict]:
+    ranks = processes.mesh(n, cluster=cluster)
+    return [a["report"] for a in call_all(ranks, "schemes", wait_s=120, names=SCHEMES)]
 
 
 def check(reports: list[dict]) -> None:
     for rank, report in enumerate(reports):
-        assert set(report) == {"zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto"}
+        assert set(report) == set(SCHEMES)
         for name, r in report.items():
             assert r["max_error"] < 1e-3, (rank, name, r)
             assert r["bytes_sent"] > 0 and r["bytes_recv"] > 0
@@ -37,10 +23,10 @@ def check(reports: list[dict]) -> None:
         assert sum(r[name]["bytes_sent"] for r in reports) == sum(r[name]["bytes_recv"] for r in reports)
 
 
-def test_every_scheme_over_processes_on_loopback(workers):
-    check(run_cluster(workers, 4))
+def test_every_scheme_over_processes_on_loopback(processes):
+    check(run_cluster(processes, 4))
 
 
-def test_every_scheme_over_processes_in_the_emulated_cluster(workers, emulated_cluster):
+def test_every_scheme_over_processes_in_the_emulated_cluster(processes, emulated_cluster):
     """Four hosts in their own network namespaces, 1 Gbit/s links shaped in both directions."""
-    check(run_cluster(workers, 4, emulated_cluster(4, rate_mbit=1000)))
+    check(run_cluster(processes, 4, emulated_cluster(4, rate_mbit=1000)))

@@ -25,6 +25,7 @@ import torch
 
 from zend.core.comm import CommError, CommTimeout, Communicator
 from zend.transport import handshake as hs
+from zend.transport.pool import BufferPool
 
 log = logging.getLogger("zend.transport")
 
@@ -77,7 +78,7 @@ class LinkTransport(Communicator):
     def __init__(self, rank: int, world_size: int, *, cluster_id: str, secret: bytes, generation: int = 0,
                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  max_buffered_bytes: int = 1 << 30, max_message_bytes: int = 1 << 34,
-                 protocol_version: int = hs.PROTOCOL_VERSION):
+                 pool_bytes: int = 256 << 20, protocol_version: int = hs.PROTOCOL_VERSION):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.rank, self.world_size = rank, world_size
@@ -87,6 +88,7 @@ class LinkTransport(Communicator):
         self.timeout_s = timeout_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_message_bytes = max_message_bytes
+        self.pool = BufferPool(pool_bytes)  # received payloads land in reused blocks
         self.peers = {j: Peer(j) for j in range(world_size) if j != rank}
         self._cond = threading.Condition()
         self._boxes: dict[tuple[int, str], deque[torch.Tensor]] = {}
@@ -314,7 +316,8 @@ class LinkTransport(Communicator):
     def _redial_loop(self, j: int) -> None:
         pause = 0.25  # backs off to 2 s: a peer that left may be gone for good
         while not self._closed and self.peers[j].link is None:
-            time.sleep(pause)
+            with self._cond:  # close() wakes this at once
+                self._cond.wait_for(lambda: self._closed, pause)
             pause = min(2.0, pause * 2)
             if self._closed:
                 return
@@ -324,14 +327,22 @@ class LinkTransport(Communicator):
                 self.peers[j].error = f"rank {j}: {exc}"
 
     # ------------------------------------------------------------------ data
-    def _reserve(self, j: int, size: int) -> None:
-        """Backpressure: wait while too many bytes from rank j are unclaimed."""
+    def _must_wait(self, j: int, size: int) -> bool:
+        """Whether a message of `size` bytes from rank j must wait for room (see _reserve)."""
         if size > self.max_message_bytes:
             raise FrameError(f"announced a message of {size} bytes, over the {self.max_message_bytes}-byte limit")
         peer = self.peers[j]
+        return bool(peer.buffered) and peer.buffered + size > self.max_buffered_bytes and not self._closed
+
+    def _reserve(self, j: int, size: int) -> None:
+        """Backpressure: wait while too many bytes from rank j are unclaimed."""
         with self._cond:
-            while peer.buffered and peer.buffered + size > self.max_buffered_bytes and not self._closed:
+            while self._must_wait(j, size):
                 self._cond.wait(0.2)
+
+    def _payload_buffer(self, size: int) -> torch.Tensor:
+        """Where a received payload lands; handed to `recv` as it is (no copy)."""
+        return self.pool.take(size)
 
     def _deliver(self, j: int, tag: str, payload: torch.Tensor) -> None:
         with self._cond:

@@ -97,10 +97,11 @@ class TcpTransport(LinkTransport):
             tag = bytearray(tag_len)
             _recv_exactly(sock, memoryview(tag))
             self._reserve(j, size)
-            payload = torch.empty(size, dtype=torch.uint8)
+            payload = self._payload_buffer(size)
             if size:
                 _recv_exactly(sock, memoryview(payload.numpy()))  # type: ignore[arg-type]
             self._deliver(j, tag.decode(), payload)
+            del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
         if data.is_cuda:

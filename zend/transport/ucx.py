@@ -26,15 +26,17 @@ import contextlib
 import os
 import threading
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
-from zend.transport.framed import FRAME, MAX_TAG_BYTES, LinkTransport, unpack_frame
+from zend.transport.framed import FRAME, MAX_TAG_BYTES, FrameError, LinkTransport, unpack_frame
 
 UCX_DEFAULTS = {
-    "UCXPY_PROGRESS_MODE": "blocking",
+    "UCXPY_PROGRESS_MODE": "thread",
+    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
     "UCX_TLS": "tcp,sm,cuda_copy,cuda_ipc",
     "UCX_MM_ERROR_HANDLING": "y",
     "UCX_RNDV_THRESH": "auto",
@@ -89,15 +91,28 @@ class UcxTransport(LinkTransport):
     scheme = "ucx"
     _listener: Any = None
 
-    def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+    def start(self) -> UcxTransport:
+        # I/O in flight per link: closing a link cancels them, or a receive on it could wait forever
+        self._in_flight: dict[int, set[Future[Any]]] = {}
+        self._in_flight_lock = threading.Lock()
+        return self._listen()
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None, link: Any = None) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, _ucx_loop())
+        if link is not None:
+            with self._in_flight_lock:
+                self._in_flight.setdefault(id(link), set()).add(future)
         try:
             return future.result(timeout_s)
         except TimeoutError:
             future.cancel()
             raise TimeoutError(f"UCX operation did not complete within {timeout_s} s") from None
+        finally:
+            if link is not None:
+                with self._in_flight_lock:
+                    self._in_flight.get(id(link), set()).discard(future)
 
-    def start(self) -> UcxTransport:
+    def _listen(self) -> UcxTransport:
         import ucxx
 
         loop = _ucx_loop()
@@ -145,44 +160,59 @@ class UcxTransport(LinkTransport):
 
         with contextlib.suppress(Exception):  # already closed, or the peer is gone
             self._run(abort(), 5.0)
+        with self._in_flight_lock:
+            stuck = self._in_flight.pop(id(link), set())
+        for future in stuck:  # whatever UCX did not end with the endpoint
+            future.cancel()
 
     def _send_message(self, link: Any, data: bytes) -> None:
-        self._io(link.send_obj(data), self.timeout_s)
+        self._io(link, link.send_obj(data), self.timeout_s)
 
     def _recv_message(self, link: Any) -> bytes:
-        return bytes(self._io(link.recv_obj(), self.timeout_s))
+        return bytes(self._io(link, link.recv_obj(), self.timeout_s))
 
-    def _io(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
+    def _io(self, link: Any, coro: Coroutine[Any, Any, Any], timeout_s: float | None) -> Any:
         try:
-            return self._run(coro, timeout_s)
-        except TimeoutError:
+            return self._run(coro, timeout_s, link)
+        except (TimeoutError, FrameError):
             raise
         except Exception as exc:  # UCXX errors: the endpoint is broken
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
 
     def _receive_frames(self, j: int, link: Any) -> None:
+        # The whole loop runs on the event loop: no hop between threads per message.
+        self._io(link, self._receive_async(j, link), None)
+
+    async def _receive_async(self, j: int, link: Any) -> None:
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        loop = asyncio.get_running_loop()
         while not self._closed:
-            self._io(link.recv(header), None)
+            await link.recv(header)
             tag_len, size = unpack_frame(header[: FRAME.size].tobytes())
             on_device = bool(size & DEVICE_FLAG)
             size &= ~DEVICE_FLAG
             tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
-            self._reserve(j, size)
+            if self._must_wait(j, size):  # backpressure: wait off the loop, other links keep going
+                await loop.run_in_executor(None, self._reserve, j, size)
             if on_device and torch.cuda.is_available():
                 payload = torch.empty(size, dtype=torch.uint8, device="cuda")
                 if size:
-                    self._io(link.recv(payload), None)  # UCX writes into GPU memory (cuda_copy/ipc)
+                    await link.recv(payload)  # UCX writes into GPU memory (cuda_copy/ipc)
             else:
-                payload = torch.empty(size, dtype=torch.uint8)
+                payload = self._payload_buffer(size)
                 if size:
-                    self._io(link.recv(payload.numpy()), None)
+                    await link.recv(payload.numpy())
             self._deliver(j, tag, payload)
+            del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
         if data.is_cuda:  # GPU memory goes as it is; the flag tells the receiver where to land it
             size = int.from_bytes(header[12:20], "little") | DEVICE_FLAG
             header = header[:12] + size.to_bytes(8, "little") + header[20:]
-        self._io(link.send(np.frombuffer(header, dtype=np.uint8)), self.timeout_s)
-        if data.numel():
-            self._io(link.send(data if data.is_cuda else data.numpy()), self.timeout_s)
+
+        async def send() -> None:  # header and payload in one trip to the loop
+            await link.send(np.frombuffer(header, dtype=np.uint8))
+            if data.numel():
+                await link.send(data if data.is_cuda else data.numpy())
+
+        self._io(link, send(), self.timeout_s)
