@@ -8,7 +8,7 @@ allreduce) and as a dense tensor. Median of --steps steps after one warm-up. Als
 scheme's bottleneck bytes divided by the link rate (the time the wire alone needs).
 Needs root and iproute2.
 
-    python benchmarks/emulated_cluster.py --nodes 4,8 --rate-mbit 200 [--transport tcp]
+    python benchmarks/emulated_cluster.py --nodes 4,8 --rate-mbit 50 [--transport tcp] [--seqs 8]
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from zend.emulated import EmulatedCluster
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int) -> dict[str, dict[str, float]]:
+def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: int) -> dict[str, dict[str, float]]:
     env = dict(os.environ, ZEN_CLUSTER_SECRET=secrets.token_hex(16), UCX_TLS="tcp", PYTHONPATH=str(ROOT))
     with EmulatedCluster(n, rate_mbit=rate_mbit) as cluster:
         procs = []
         for r in range(n):
             argv = [sys.executable, str(ROOT / "benchmarks" / "emulated_worker.py"), "--uri",
                     f"{transport}://{cluster.address(r)}:0", "--rank", str(r), "--world-size", str(n),
-                    "--master", f"{cluster.address(0)}:29612", "--dim", str(dim), "--steps", str(steps)]
+                    "--master", f"{cluster.address(0)}:29612", "--dim", str(dim), "--steps", str(steps), "--seqs", str(seqs)]
             procs.append(cluster.popen(r, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         ports = []
         for proc in procs:
@@ -59,18 +59,19 @@ def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int) -> dict[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="4,8")
-    p.add_argument("--rate-mbit", type=float, default=200.0)
+    p.add_argument("--rate-mbit", type=float, default=50.0)
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seqs", type=int, default=8, help="sequences of 512 tokens per rank and step")
     args = p.parse_args()
     rate = args.rate_mbit * 1e6 / 8
-    print(f"emulated cluster, {args.rate_mbit:g} Mbit/s links, transport {args.transport}, "
-          f"GPT-2 trace, rows of {args.dim} fp32, median of {args.steps} steps")
+    print(f"emulated cluster, {args.rate_mbit:g} Mbit/s links, transport {args.transport}, GPT-2 trace "
+          f"({args.seqs}x512 tokens per rank), rows of {args.dim} fp32, median of {args.steps} steps")
     print(f"{'n':>3} {'scheme':<12} {'time ms':>9} {'wire ms':>9} {'time/wire':>9} {'vs gloo sparse':>15} "
           f"{'vs gloo dense':>14}")
     for n in (int(x) for x in args.nodes.split(",")):
-        res = run(n, args.rate_mbit, args.transport, args.dim, args.steps)
+        res = run(n, args.rate_mbit, args.transport, args.dim, args.steps, args.seqs)
         gs, gd = res["gloo_sparse"]["seconds"], res["gloo_dense"]["seconds"]
         for name, r in res.items():
             wire = r["bottleneck"] / rate if r["bottleneck"] else 0.0

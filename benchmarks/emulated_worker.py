@@ -28,10 +28,12 @@ def main() -> None:
     p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seqs", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--seq-len", type=int, default=512)
     args = p.parse_args()
     torch.set_num_threads(1)
     tune_allocator()
-    trace = TokenTrace.default()
+    trace = TokenTrace.default(seqs=args.seqs, seq_len=args.seq_len)
     grads = [trace.embedding_grad(args.rank, s, args.dim) for s in range(args.steps + 1)]
     transport = create(args.uri, args.rank, args.world_size, cluster_id="bench", secret=load_secret(), timeout_s=120)
     print(f"PORT {transport.address[1]}", flush=True)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -308,12 +309,21 @@ def test_rendezvous_through_torch_tcpstore(fresh_cluster):
 
 def test_ucx_data_plane_between_daemons(fresh_cluster):
     pytest.importorskip("ucxx", reason="ucxx-cu12 is installed by `make` (extra 'ucx')")
-    c = fresh_cluster(2, transport="ucx", extra=["--log-format", "text"],
-                      env={"UCX_TLS": "tcp", "UCXPY_PROGRESS_MODE": "blocking"})
+    c = fresh_cluster(2, transport="ucx", extra=["--log-format", "text"], env={"UCX_TLS": "tcp"})
     _sum_on_every_node(c, 2)
     run = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir", c.socket_dir(0)],
                          capture_output=True, text=True, timeout=60)
     assert '"transport": "ucx"' in run.stdout and '"tcp"' in run.stdout, run.stdout
+    # an idle daemon sleeps: UCX's blocking progress mode kept a core busy polling its links
+    before = [_cpu_seconds(p.pid) for p in c.procs.values()]
+    time.sleep(3.0)
+    used = [_cpu_seconds(p.pid) - b for p, b in zip(c.procs.values(), before, strict=True)]
+    assert max(used) < 1.0, f"idle daemons used {used} CPU seconds in 3 s"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):

@@ -6,14 +6,17 @@ hosts, RDMA (InfiniBand / RoCE) where the UCX build has verbs, and CUDA memory d
 RDMA: for RDMA install a system UCX >= 1.19 and set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true.
 `active_transports()` reports what UCX really uses; the daemon exports it as a metric.
 
-ucxx is asyncio-based: one event loop per process runs on a background thread, and the
-synchronous transport API submits coroutines to it. Each link is one UCX endpoint carrying,
-per message, a header (frame + tag) and then the payload, received straight into the tensor
-that `recv` hands out. ucxx is imported lazily, so a CPU-only install never loads UCX.
+ucxx is asyncio-based: one event loop per process runs on a background thread. Each link is
+one UCX endpoint carrying, per message, a header (frame + tag) and then the payload. A link's
+receive loop is a coroutine on that loop, landing each payload in a pooled block (pool.py)
+that `recv` hands out as it is; a send is one trip to the loop for header and payload. ucxx
+is imported lazily, so a CPU-only install never loads UCX.
 
 Environment defaults set before UCX starts (each only if unset; see the platform notes):
-UCXPY_PROGRESS_MODE=blocking (the thread mode is 1.5-4x slower on small machines),
-UCX_TLS=tcp,sm (+ cuda_copy,cuda_ipc where CUDA is present; tcp is needed by the connection
+UCXPY_PROGRESS_MODE=thread with UCXPY_ENABLE_PYTHON_FUTURE=1: UCX progresses on its own
+thread and wakes the loop on completion. `blocking` is faster per message on loopback
+(benchmarks/transport_throughput.py) but its loop polls whenever a receive is posted, and a
+link always has one: an idle process used a whole core. UCX_TLS=tcp,sm (+ cuda_copy,cuda_ipc where CUDA is present; tcp is needed by the connection
 manager; in the emulated cluster force UCX_TLS=tcp, or UCX uses shared memory across hosts),
 UCX_MM_ERROR_HANDLING=y (else shared memory is silently off), UCX_RNDV_THRESH=auto,
 UCX_RNDV_FRAG_MEM_TYPE=host, UCX_WARN_UNUSED_ENV_VARS=n.
