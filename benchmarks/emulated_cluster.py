@@ -33,7 +33,8 @@ def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: in
         for r in range(n):
             argv = [sys.executable, str(ROOT / "benchmarks" / "emulated_worker.py"), "--uri",
                     f"{transport}://{cluster.address(r)}:0", "--rank", str(r), "--world-size", str(n),
-                    "--master", f"{cluster.address(0)}:29612", "--dim", str(dim), "--steps", str(steps), "--seqs", str(seqs)]
+                    "--master", f"{cluster.address(0)}:29612", "--dim", str(dim), "--steps", str(steps),
+                    "--seqs", str(seqs)]
             procs.append(cluster.popen(r, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         ports = []
         for proc in procs:

@@ -16,7 +16,8 @@ Environment defaults set before UCX starts (each only if unset; see the platform
 UCXPY_PROGRESS_MODE=thread with UCXPY_ENABLE_PYTHON_FUTURE=1: UCX progresses on its own
 thread and wakes the loop on completion. `blocking` is faster per message on loopback
 (benchmarks/transport_throughput.py) but its loop polls whenever a receive is posted, and a
-link always has one: an idle process used a whole core. UCX_TLS=tcp,sm (+ cuda_copy,cuda_ipc where CUDA is present; tcp is needed by the connection
+link always has one: an idle process used a whole core.
+UCX_TLS=tcp,sm (+ cuda_copy,cuda_ipc where CUDA is present; tcp is needed by the connection
 manager; in the emulated cluster force UCX_TLS=tcp, or UCX uses shared memory across hosts),
 UCX_MM_ERROR_HANDLING=y (else shared memory is silently off), UCX_RNDV_THRESH=auto,
 UCX_RNDV_FRAG_MEM_TYPE=host, UCX_WARN_UNUSED_ENV_VARS=n.
