@@ -36,6 +36,8 @@ KEY_SERIES = [
     "zen_connected_trainers",
     "zen_steps_in_flight",
     "zen_buffer_pool_bytes",
+    "zen_receive_pool_bytes",
+    "zen_receive_pool_reuse_ratio",
     'zen_node_info{transport="tcp"} == 1',
     "zen_membership_generation",
 ]

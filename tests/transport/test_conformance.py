@@ -220,7 +220,8 @@ def test_auto_transport_choice_and_reason():
     assert choose_transport("auto", ["a", "b"], ucx_transports=set())[0] == "tcp"
     assert choose_transport("auto", ["a", "b"], ucx_transports={"tcp", "posix"}) == (
         "tcp", "plain TCP network: our sockets beat ucxx over TCP")
-    assert choose_transport("auto", ["a", "a"], ucx_transports={"tcp", "posix"})[0] == "ucx"
+    assert choose_transport("auto", ["a", "a"], ucx_transports={"tcp", "posix"}) == (
+        "tcp", "ranks share a host: our sockets beat ucxx's shared memory below 16 MiB messages")
     assert choose_transport("auto", ["a", "b"], ucx_transports={"tcp", "rc_mlx5"})[0] == "ucx"
     assert choose_transport("auto", ["a", "b"], gpu_tensors=True, ucx_transports={"tcp", "cuda_copy"})[0] == "ucx"
     assert choose_transport("tcp", ["a"]) == ("tcp", "set to tcp")

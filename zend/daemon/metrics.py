@@ -51,6 +51,10 @@ class DaemonMetrics:
         self.trainers = Gauge("zen_connected_trainers", "Trainer sessions holding a buffer connection", registry=r)
         self.in_flight = Gauge("zen_steps_in_flight", "Steps opened and not finished", registry=r)
         self.pool_bytes = Gauge("zen_buffer_pool_bytes", "Shared-buffer bytes allocated to trainers", registry=r)
+        self.receive_pool_bytes = Gauge("zen_receive_pool_bytes",
+                                        "Capacity of the data plane's reused receive blocks", registry=r)
+        self.receive_pool_reuse = Gauge("zen_receive_pool_reuse_ratio",
+                                        "Share of pooled payloads that landed in a block used before", registry=r)
         self.peer_up = Gauge("zen_peer_up", "1 while the data-plane link to a peer node is up", ["peer"], registry=r)
         self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
                           ["node", "transport", "ucx_transports", "membership"], registry=r)

@@ -168,6 +168,9 @@ class Daemon:
             if self.transport is not None:
                 for j, peer in self.transport.peers.items():
                     m.peer_up.labels(peer=str(j)).set(1 if peer.link is not None else 0)
+                pool = self.transport.pool.stats
+                m.receive_pool_bytes.set(pool.pooled_bytes)
+                m.receive_pool_reuse.set(pool.reused / max(1, pool.reused + pool.allocated))
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str) -> SessionInfo | None:
