@@ -21,7 +21,10 @@ import numpy as np
 import torch
 
 MIN_POOLED_BYTES = 64 << 10  # below this a fresh allocation is as cheap (and never registered)
-_IDLE_REFS = 3  # a free block is referenced only by the pool's list, the loop variable and getrefcount's argument
+
+
+def _references(blocks: list[np.ndarray], i: int) -> int:
+    return sys.getrefcount(blocks[i])
 
 
 @dataclass
@@ -40,19 +43,21 @@ class BufferPool:
         self.stats = PoolStats()
         self._blocks: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
+        # what a block nobody else holds counts, measured the same way the checks are made
+        self._idle_references = _references([np.empty(0, dtype=np.uint8)], 0)
 
     def take(self, size: int) -> torch.Tensor:
         """A uint8 tensor of `size` bytes over a free block (or fresh memory)."""
-        if size < MIN_POOLED_BYTES:
-            self.stats.unpooled += 1
-            return torch.empty(size, dtype=torch.uint8)
-        capacity = 1 << (size - 1).bit_length()
+        capacity = 1 << max(0, size - 1).bit_length()
         with self._lock:
+            if size < MIN_POOLED_BYTES:
+                self.stats.unpooled += 1
+                return torch.empty(size, dtype=torch.uint8)
             blocks = self._blocks.setdefault(capacity, [])
-            for block in blocks:
-                if sys.getrefcount(block) == _IDLE_REFS:
+            for i in range(len(blocks)):
+                if _references(blocks, i) == self._idle_references:
                     self.stats.reused += 1
-                    return torch.from_numpy(block[:size])
+                    return torch.from_numpy(blocks[i][:size])
             if self.stats.pooled_bytes + capacity <= self.max_bytes:
                 block = np.empty(capacity, dtype=np.uint8)
                 blocks.append(block)
