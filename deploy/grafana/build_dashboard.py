@@ -222,6 +222,13 @@ def build() -> db.Dashboard:
     d = d.with_panel(series(
         44, "Buffer pool", "Shared-buffer bytes allocated to trainers.", "bytes",
         [query(sel("zen_buffer_pool_bytes"), "{{instance}}")], width=8))
+    d = d.with_panel(series(
+        46, "Receive pool", "Capacity of the data plane's reused receive blocks.", "bytes",
+        [query(sel("zen_receive_pool_bytes"), "{{instance}}")]))
+    d = d.with_panel(series(
+        47, "Receive block reuse", "Share of pooled payloads that landed in a block used before "
+        "(near 1 once steps repeat; low means the pool is too small for the step's messages).", "percentunit",
+        [query(sel("zen_receive_pool_reuse_ratio"), "{{instance}}")]))
     d = d.with_panel(
         table.Panel().id(45).title("Daemons").datasource(DS).span(24).height(6)
         .description("What each daemon runs, and its membership generation.")

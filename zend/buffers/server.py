@@ -202,7 +202,7 @@ class BufferServer:
                 thread = threading.Thread(target=self._serve, args=(conn,), name="zend-buffers-conn", daemon=True)
                 self._conns.add(conn)
                 self._threads.add(thread)
-            thread.start()
+                thread.start()  # under the lock: close() must never see (and join) a thread not yet started
 
     def _serve(self, conn: socket.socket) -> None:
         session: _Session | None = None
