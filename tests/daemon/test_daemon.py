@@ -171,6 +171,37 @@ def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4
         torch.testing.assert_close(r, ref)
 
 
+def test_a_session_never_connected_expires_and_frees_its_local_rank(fresh_cluster):
+    """A trainer that died between OpenSession and its buffer connection must not hold its rank forever."""
+    from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+
+    c = fresh_cluster(1, extra=["--claim-timeout-s", "1"])
+    md = (("authorization", f"Bearer {c.token('orphan')}"),)
+    with grpc.insecure_channel(f"unix:{os.path.join(c.socket_dir(0), 'zend.sock')}") as channel:
+        stub = pb_grpc.TrainerStub(channel)
+        open_rank0 = pb.OpenSessionRequest(job_id="orphan", local_rank=0, local_world_size=1, pid=1)
+        stub.OpenSession(open_rank0, metadata=md, timeout=10)  # and never connects buffers.sock
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(open_rank0, metadata=md, timeout=10)
+        assert err.value.code().name == "FAILED_PRECONDITION" and "already taken" in err.value.details()
+        deadline = time.monotonic() + 15
+        while True:  # expired after about 1 s (checked every 0.5 s)
+            try:
+                again = stub.OpenSession(open_rank0, metadata=md, timeout=10)
+                stub.CloseSession(pb.CloseSessionRequest(session_id=again.session_id), metadata=md, timeout=10)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code().name == "FAILED_PRECONDITION" and time.monotonic() < deadline, exc.details()
+                time.sleep(0.2)
+    assert "session_expired" in c.log_path(0).read_text()
+    link = _session(c, job="orphan")  # a trainer that does connect keeps its session past the timeout
+    try:
+        time.sleep(2.0)
+        assert link.allreduce(link.register("emb", (10, 2)), random_grad(10, 2, 0), 0).to_dense().shape == (10, 2)
+    finally:
+        link.close()
+
+
 def test_deadline_exceeded_when_a_local_trainer_never_submits(cluster4):
     with _session(cluster4, job="late", local_world_size=2) as link:
         h = link.register("emb", (10, 2))

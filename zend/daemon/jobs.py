@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ class Session:
     local_world_size: int
     pid: int
     claimed: bool = False  # its buffer connection is up
+    opened_at: float = field(default_factory=time.monotonic)
     last_step: dict[int, int] = field(default_factory=dict)  # tensor id -> last step submitted
 
 
@@ -96,6 +98,24 @@ class JobRegistry:
     def close_session(self, session_id: str) -> Session | None:
         with self._lock:
             return self.sessions.pop(session_id, None)
+
+    def claim(self, session_id: str) -> Session | None:
+        """Mark a session's buffer connection up; None if it is unknown or already claimed."""
+        with self._lock:
+            s = self.sessions.get(session_id)
+            if s is None or s.claimed:
+                return None
+            s.claimed = True
+            return s
+
+    def expire_unclaimed(self, older_than_s: float) -> list[Session]:
+        """Drop sessions whose trainer never connected its buffer socket: each holds a local rank."""
+        cutoff = time.monotonic() - older_than_s
+        with self._lock:
+            gone = [s for s in self.sessions.values() if not s.claimed and s.opened_at < cutoff]
+            for s in gone:
+                del self.sessions[s.session_id]
+        return gone
 
     def register(self, session: Session, spec: TensorSpec, make_scheme: Any) -> TensorState:
         tid = tensor_id(spec.job, spec.name)

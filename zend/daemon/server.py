@@ -158,9 +158,14 @@ class Daemon:
         self._threads.append(t)
 
     def _housekeeping(self) -> None:
-        """Expire steps whose trainers never came, and refresh the gauges."""
+        """Expire steps whose trainers never came and sessions never connected; refresh the gauges."""
         while not self._stopped.wait(0.5):
             self.node.expire()
+            for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
+                log.warning("session expired: its trainer never connected the buffer socket",
+                            extra={"event": "session_expired", "job": s.job, "local_rank": s.local_rank,
+                                   "pid": s.pid, "after_s": self.settings.claim_timeout_s})
+                self.node.session_closed(s)  # its partners' steps fail now, not at their deadline
             m = self.metrics
             m.in_flight.set(self.node.table.in_flight())
             m.trainers.set(sum(1 for s in list(self.registry.sessions.values()) if s.claimed))
@@ -174,11 +179,8 @@ class Daemon:
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str) -> SessionInfo | None:
-        s = self.registry.sessions.get(session_id)
-        if s is None or s.claimed:
-            return None
-        s.claimed = True
-        return SessionInfo(session_id, s.job)
+        s = self.registry.claim(session_id)
+        return None if s is None else SessionInfo(session_id, s.job)
 
     def end_session(self, session_id: str) -> None:
         s = self.registry.close_session(session_id)

@@ -51,6 +51,7 @@ class Settings:
     peer_timeout_s: float = 30.0         # a silent peer is declared lost after this
     connect_timeout_s: float = 120.0     # all peers must be connected at start within this
     drain_timeout_s: float = 30.0
+    claim_timeout_s: float = 60.0        # an opened session must connect its buffer socket within this
     # observability
     metrics_port: int = 9400             # 0 turns the Prometheus endpoint off
     metrics_host: str = "0.0.0.0"
@@ -150,7 +151,7 @@ def validate(s: Settings) -> None:
         raise bad("transport", "must be tcp, ucx or auto")
     if s.scheme not in SCHEMES:
         raise bad("scheme", f"must be one of {', '.join(SCHEMES)}")
-    for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s"):
+    for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s", "claim_timeout_s"):
         if getattr(s, name) <= 0:
             raise bad(name, "must be positive")
     if s.threads < 0:
