@@ -29,15 +29,13 @@ import argparse
 import bisect
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from reporting import report_step, report_summary  # examples/reporting.py
+from common import add_run_args, join_job, launch, train_steps, wrap  # examples/common.py
 from torch import nn
 
 DATA = Path(__file__).resolve().parent / "data" / "ml-100k"
@@ -175,28 +173,19 @@ def wire_bytes(client: Any, prefix: str) -> dict[str, int]:
 
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     data = MovieLens.load(Path(args.data))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world = join_job(args.seed)
+    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     model = Recommender(data.sizes, args.dim, args.hidden, sparse=args.backend != "gloo-dense")
-    ddp = nn.parallel.DistributedDataParallel(model)
-    client = None
-    if args.backend == "zen":
-        import zen
-
-        client = zen.Client()
-        ddp.register_comm_hook(zen.HookState(client, model, prefix="recsys"), zen.comm_hook)
+    ddp, client = wrap(model, args.backend, prefix="recsys")
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     # what a dense allreduce of each table would send from one node (the daemon's own reference)
     dense = {name: 2 * (nodes - 1) * data.sizes[name] * args.dim * 4 // nodes for name in TABLES}
-    dense_bytes = float(sum(dense.values()))
-    rows: list[dict[str, Any]] = []
-    for step in range(args.steps):
-        b = data.batch(rank, step, args.batch, args.seed)
-        t0 = time.perf_counter()
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
+        return data.batch(rank, step, args.batch, args.seed)
+
+    def loss_of(b: dict[str, torch.Tensor]) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         out = ddp(b)
         if args.objective == "click":
@@ -205,58 +194,32 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             loss = nn.functional.mse_loss(out, b["rating"])
         loss.backward()
         opt.step()
-        seconds = time.perf_counter() - t0
-        row: dict[str, Any] = {"step": step, "loss": loss.item(), "seconds": seconds}
-        if client is not None:
-            sent = wire_bytes(client, "recsys")
-            row["wire_bytes"] = float(sum(sent.values()))
-            row["tables"] = {name: {"wire_bytes": sent.get(name, 0), "dense_bytes": dense[name]} for name in TABLES}
-        else:
-            row["wire_bytes"] = float("nan")  # gloo: an allgather of indices and values, or every row
-        row["dense_bytes"] = dense_bytes
-        rows.append(row)
-        if rank == 0:
-            report_step(row, args.steps, "tables", args.json)
-    if rank == 0 and not args.json:
-        report_summary(rows, args.backend)
-    if client is not None:
-        client.close()
-    dist.destroy_process_group()
-    return rows
+        return loss
 
+    def wire_of(client: Any) -> dict[str, Any]:
+        sent = wire_bytes(client, "recsys")
+        return {"wire_bytes": float(sum(sent.values())),
+                "tables": {name: {"wire_bytes": sent.get(name, 0), "dense_bytes": dense[name]} for name in TABLES}}
 
-# ---------------------------------------------------------------------------------------------- launch
-def launch(args: argparse.Namespace) -> int:
-    """A local zend cluster (for --backend zen) and NODES x TRAINERS ranks of this script."""
-    from zend.cluster import run_local_job
-
-    MovieLens.load(Path(args.data))  # fail here, once, if the data is not there
-    forward = [a for a in sys.argv[1:] if a != "--launch"]
-    return run_local_job([sys.executable, __file__, *forward], args.nodes, args.trainers, "recsys",
-                         with_zen=args.backend == "zen")
+    return train_steps(args, rank, client, batch_of, loss_of, wire_of, float(sum(dense.values())), "tables")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["zen", "gloo", "gloo-dense"], default="zen")
+    add_run_args(p)
     p.add_argument("--objective", choices=["rating", "click"], default="rating",
                    help="rating: MSE on the rating (1-5); click: BCE on rating >= 4")
-    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=64, help="ratings per rank and step")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--lr", type=float, default=None, help="SGD's; default 0.1 for rating, 1.0 for click")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=str(DATA), help="the directory scripts/fetch_movielens.py fills")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--launch", action="store_true", help="start a local cluster and all ranks here")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--trainers", type=int, default=2, help="ranks per node (with --launch)")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = 0.1 if args.objective == "rating" else 1.0
     if args.launch:
-        return launch(args)
+        MovieLens.load(Path(args.data))  # fail here, once, if the data is not there
+        return launch(__file__, args, "recsys")
     train(args)
     return 0
 

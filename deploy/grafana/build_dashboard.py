@@ -91,6 +91,16 @@ def per_tensor(metric: str) -> str:
     return f"max by (zen_job, tensor) ({sel(metric, TENSOR)})"
 
 
+def tensor_series(pid: int, title: str, description: str, unit: str, metric: str) -> timeseries.Panel:
+    """One series per tensor of a cluster-wide per-tensor gauge."""
+    return series(pid, title, description, unit, [query(per_tensor(metric), "{{zen_job}}/{{tensor}}")], width=8)
+
+
+def node_series(pid: int, title: str, description: str, unit: str, metric: str, width: int = 8) -> timeseries.Panel:
+    """One series per daemon of a per-node gauge."""
+    return series(pid, title, description, unit, [query(sel(metric), "{{instance}}")], width=width)
+
+
 def build() -> db.Dashboard:
     d = (db.Dashboard("zen: sparse gradient sync").uid(UID)
          .description("zend daemons: sync time by phase, bytes on the wire against a dense allreduce, load "
@@ -171,18 +181,17 @@ def build() -> db.Dashboard:
                "{{instance}} → node {{peer}}")]))
 
     d = d.with_row(db.Row("Per tensor").id(103))
-    d = d.with_panel(series(
+    d = d.with_panel(tensor_series(
         30, "Push imbalance", "Cluster push load imbalance at each tensor's last step (max / mean; 1 = even).",
-        "x", [query(per_tensor("zen_push_imbalance"), "{{zen_job}}/{{tensor}}")], width=8))
-    d = d.with_panel(series(
+        "x", "zen_push_imbalance"))
+    d = d.with_panel(tensor_series(
         31, "Pull imbalance", "Cluster pull imbalance at each tensor's last step (max / mean; 1 = even).",
-        "x", [query(per_tensor("zen_pull_imbalance"), "{{zen_job}}/{{tensor}}")], width=8))
-    d = d.with_panel(series(
+        "x", "zen_pull_imbalance"))
+    d = d.with_panel(tensor_series(
         32, "Densification", "Non-zero rows of the sum / mean non-zero rows contributed per node.", "x",
-        [query(per_tensor("zen_tensor_densification"), "{{zen_job}}/{{tensor}}")], width=8))
-    d = d.with_panel(series(
-        33, "Density", "Non-zero rows of the summed gradient / rows.", "percentunit",
-        [query(per_tensor("zen_tensor_density"), "{{zen_job}}/{{tensor}}")], width=8))
+        "zen_tensor_densification"))
+    d = d.with_panel(tensor_series(
+        33, "Density", "Non-zero rows of the summed gradient / rows.", "percentunit", "zen_tensor_density"))
     d = d.with_panel(series(
         34, "Rows in and out", "Non-zero rows the daemons contributed (summed over daemons) and rows of the sum.",
         "short",
@@ -213,22 +222,19 @@ def build() -> db.Dashboard:
         .show_value(common.VisibilityMode.NEVER).merge_values(True).row_height(0.9).fill_opacity(70).line_width(0)
         .legend(cb.VizLegendOptions().show_legend(False).display_mode(common.LegendDisplayMode.LIST)
                 .placement(common.LegendPlacement.BOTTOM)))
-    d = d.with_panel(series(
-        42, "Trainers connected", "Trainer sessions holding a buffer connection.", "short",
-        [query(sel("zen_connected_trainers"), "{{instance}}")], width=8))
-    d = d.with_panel(series(
-        43, "Steps in flight", "Steps opened and not finished.", "short",
-        [query(sel("zen_steps_in_flight"), "{{instance}}")], width=8))
-    d = d.with_panel(series(
-        44, "Buffer pool", "Shared-buffer bytes allocated to trainers.", "bytes",
-        [query(sel("zen_buffer_pool_bytes"), "{{instance}}")], width=8))
-    d = d.with_panel(series(
-        46, "Receive pool", "Capacity of the data plane's reused receive blocks.", "bytes",
-        [query(sel("zen_receive_pool_bytes"), "{{instance}}")]))
-    d = d.with_panel(series(
+    d = d.with_panel(node_series(
+        42, "Trainers connected", "Trainer sessions holding a buffer connection.", "short", "zen_connected_trainers"))
+    d = d.with_panel(node_series(
+        43, "Steps in flight", "Steps opened and not finished.", "short", "zen_steps_in_flight"))
+    d = d.with_panel(node_series(
+        44, "Buffer pool", "Shared-buffer bytes allocated to trainers.", "bytes", "zen_buffer_pool_bytes"))
+    d = d.with_panel(node_series(
+        46, "Receive pool", "Capacity of the data plane's reused receive blocks.", "bytes", "zen_receive_pool_bytes",
+        width=12))
+    d = d.with_panel(node_series(
         47, "Receive block reuse", "Share of pooled payloads that landed in a block used before "
         "(near 1 once steps repeat; low means the pool is too small for the step's messages).", "percentunit",
-        [query(sel("zen_receive_pool_reuse_ratio"), "{{instance}}")]))
+        "zen_receive_pool_reuse_ratio", width=12))
     d = d.with_panel(
         table.Panel().id(45).title("Daemons").datasource(DS).span(24).height(6)
         .description("What each daemon runs, and its membership generation.")

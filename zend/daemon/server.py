@@ -23,7 +23,7 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferServer, SessionInfo
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
-from zend.daemon.jobs import JobRegistry
+from zend.daemon.jobs import JobRegistry, Session
 from zend.daemon.membership import Membership, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics
 from zend.daemon.node import NodeSync
@@ -162,10 +162,8 @@ class Daemon:
         while not self._stopped.wait(0.5):
             self.node.expire()
             for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
-                log.warning("session expired: its trainer never connected the buffer socket",
-                            extra={"event": "session_expired", "job": s.job, "local_rank": s.local_rank,
-                                   "pid": s.pid, "after_s": self.settings.claim_timeout_s})
-                self.node.session_closed(s)  # its partners' steps fail now, not at their deadline
+                self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
+                                   "socket", "session_expired", after_s=self.settings.claim_timeout_s)
             m = self.metrics
             m.in_flight.set(self.node.table.in_flight())
             m.trainers.set(sum(1 for s in list(self.registry.sessions.values()) if s.claimed))
@@ -184,12 +182,15 @@ class Daemon:
 
     def end_session(self, session_id: str) -> None:
         s = self.registry.close_session(session_id)
-        if s is None:
-            return
+        if s is not None:
+            self._session_gone(s, logging.INFO, "session closed", "session_close")
+
+    def _session_gone(self, s: Session, level: int, message: str, event: str, **extra: Any) -> None:
+        """After a session left the registry: its partners' steps fail now, not at their deadline."""
         if self.node is not None:
             self.node.session_closed(s)
-        log.info("session closed", extra={"event": "session_close", "job": s.job, "local_rank": s.local_rank,
-                                          "pid": s.pid})
+        log.log(level, message, extra={"event": event, "job": s.job, "local_rank": s.local_rank, "pid": s.pid,
+                                       **extra})
 
     def new_scheme(self) -> Scheme:
         s = self.settings

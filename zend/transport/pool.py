@@ -48,11 +48,11 @@ class BufferPool:
 
     def take(self, size: int) -> torch.Tensor:
         """A uint8 tensor of `size` bytes over a free block (or fresh memory)."""
-        capacity = 1 << max(0, size - 1).bit_length()
         with self._lock:
             if size < MIN_POOLED_BYTES:
                 self.stats.unpooled += 1
                 return torch.empty(size, dtype=torch.uint8)
+            capacity = 1 << (size - 1).bit_length()
             blocks = self._blocks.setdefault(capacity, [])
             for i in range(len(blocks)):
                 if _references(blocks, i) == self._idle_references:

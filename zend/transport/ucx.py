@@ -95,11 +95,11 @@ class UcxTransport(LinkTransport):
     scheme = "ucx"
     _listener: Any = None
 
-    def start(self) -> UcxTransport:
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         # I/O in flight per link: closing a link cancels them, or a receive on it could wait forever
         self._in_flight: dict[int, set[Future[Any]]] = {}
         self._in_flight_lock = threading.Lock()
-        return self._listen()
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None, link: Any = None) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, _ucx_loop())
@@ -116,7 +116,7 @@ class UcxTransport(LinkTransport):
                 with self._in_flight_lock:
                     self._in_flight.get(id(link), set()).discard(future)
 
-    def _listen(self) -> UcxTransport:
+    def start(self) -> UcxTransport:
         import ucxx
 
         loop = _ucx_loop()
