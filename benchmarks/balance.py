@@ -24,7 +24,7 @@ from zend.core.hashing import SeededHash
 from zend.core.partition import ZenPartitioner
 from zend.core.schemes.base import imbalance
 from zend.core.sparse import SparseGrad
-from zend.traces import TokenTrace
+from zend.simulator.traces import TokenTrace
 
 Assign = Callable[[torch.Tensor, int], list[int]]  # (rows, n) -> units per partition
 

@@ -5,7 +5,7 @@ turns size by size so that both see the same load:
 
   direct  n worker processes, each with its own tcp:// transport, call `scheme.sync` on their
           gradient (a tiny all-to-all on the same transport lines the ranks up before each step);
-  daemon  `LocalCluster(n)` with one trainer process per node timing `TrainerLink.allreduce`:
+  daemon  `LocalCluster(n)` with one trainer process per node timing `TrainerSession.allreduce`:
           the copy into the shared buffer, the gRPC Submit, the daemon's work, reading the result
           (a 1-row allreduce through the daemons lines the trainers up before each step).
 
@@ -80,10 +80,10 @@ def direct_worker(args: argparse.Namespace) -> None:
     """Commands: prepare (build the gradient), step (line up, time one sync), finish (drop it)."""
     from zend.core import Channel, make_scheme
     from zend.core.comm import barrier
+    from zend.daemon.secret import load_secret
     from zend.daemon.settings import Settings
-    from zend.runtime import tune_process
+    from zend.runtime.tuning import tune_process
     from zend.transport import create
-    from zend.transport.handshake import load_secret
 
     tune_process(args.threads)  # the same process tuning as `zend serve --threads N`
     transport = create("tcp://127.0.0.1:0", args.rank, args.world_size, cluster_id="overhead",
@@ -134,7 +134,7 @@ class Clock:
 
 def timed_spec(spec: Any, clock: Clock) -> Any:
     """The same TensorSpec, whose write (trainer -> input buffer) and read (result buffer -> trainer) are timed."""
-    from zend.daemon.tensors import TensorSpec
+    from zend.protocol.layout import TensorSpec
 
     class TimedSpec(TensorSpec):
         def write(self, grad: Any, view: Any, offset: int) -> None:
@@ -171,7 +171,8 @@ def deliver_total(port: int) -> float:
 
 def replay(spec: Any, handle: Any, nnz: int, result_nnz: int, reps: int) -> dict[str, float]:
     """Each operation of the daemon path alone, on the same shared buffers (the daemons are idle now)."""
-    from zend.daemon.tensors import TensorSpec, local_sum
+    from zend.daemon.node_step import local_sum
+    from zend.protocol.layout import TensorSpec
 
     base = TensorSpec  # its plain methods: `spec` times its own
     view_in, view_out = handle.input.view, handle.result.view
@@ -212,10 +213,10 @@ def grpc_roundtrip(channel: Any, calls: int = 50) -> float:
 
 def trainer_worker(args: argparse.Namespace) -> None:
     """Commands: prepare (register, build), step (line up, time one allreduce), finish (replay the parts)."""
-    from zend.trainer import TrainerLink
+    from zend.protocol.session import TrainerSession
 
     clock = Clock()
-    with TrainerLink(args.socket_dir, "overhead", os.environ["ZEN_JOB_TOKEN"], timeout_s=300) as link:
+    with TrainerSession(args.socket_dir, "overhead", os.environ["ZEN_JOB_TOKEN"], timeout_s=300) as link:
         link.stub = TimedStub(link.stub, clock)
         fence = link.register("barrier", (4, ROW))
         fence_grad = make_grad(args.rank, 1, 4, "barrier")
@@ -436,7 +437,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per size, after 1 warm-up")
     p.add_argument("--tiny-steps", type=int, default=30, help="timed steps of the 1-row control-plane case")
     p.add_argument("--table-factor", type=int, default=4, help="rows in the table per non-zero row")
-    p.add_argument("--copy", action="store_true", help="time TrainerLink.allreduce with its result copy (default off)")
+    p.add_argument("--copy", action="store_true",
+                   help="time TrainerSession.allreduce with its result copy (default off)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads of every process, daemons included (OMP_NUM_THREADS; default 1: "
                         "n processes share this machine's cores; 0 leaves torch's default)")

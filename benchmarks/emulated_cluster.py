@@ -1,6 +1,6 @@
 """Communication time per scheme on the emulated cluster, beside torch.distributed gloo.
 
-n hosts in network namespaces (zend.emulated), each link shaped to --rate-mbit in both
+n hosts in network namespaces (zend.cluster.netns), each link shaped to --rate-mbit in both
 directions. Every host runs one rank (benchmarks/emulated_worker.py): every scheme over the
 chosen transport on the real GPT-2 trace (embedding rows of --dim floats), then, on the same
 namespaces, gloo's all_reduce of the same gradient as a sparse COO tensor (torch's own sparse
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zend.emulated import EmulatedCluster
+from zend.cluster.netns import EmulatedCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 

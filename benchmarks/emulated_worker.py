@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from zend.core import Channel, make_scheme
 from zend.core.comm import barrier
-from zend.runtime import tune_allocator
-from zend.traces import TokenTrace
+from zend.daemon.secret import load_secret
+from zend.runtime.tuning import tune_allocator
+from zend.simulator.traces import TokenTrace
 from zend.transport import create
-from zend.transport.handshake import load_secret
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch
 from zend.core.codec import encode_units
 from zend.core.partition import ZenPartitioner
 from zend.core.sparse import SparseGrad
-from zend.runtime import tune_allocator
+from zend.runtime.tuning import tune_allocator
 
 
 def best_of(repeat: int, fn) -> float:  # type: ignore[no-untyped-def]

@@ -1,6 +1,6 @@
 """Steps per second of example (a) (examples/gpt_sparse.py) on the emulated cluster: zen against DDP + gloo.
 
-n ranks, one per network namespace behind a rate-limited link (zend/emulated.py), a zend daemon
+n ranks, one per network namespace behind a rate-limited link (zend/cluster/netns.py), a zend daemon
 in each namespace for the zen runs. In the same run and on the same namespaces:
   zen            DDP with zen.comm_hook: the sparse embedding through the daemons, dense buckets by gloo
   zen+topk       the same, dense buckets top-k (1%) with error feedback through the daemons
@@ -65,7 +65,7 @@ def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path
 
 
 def main() -> int:
-    from zend.emulated import EmulatedCluster, available
+    from zend.cluster.netns import EmulatedCluster, available
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)

@@ -25,7 +25,7 @@ import torch
 from common import add_run_args, join_job, launch, train_steps, wrap  # examples/common.py
 from torch import nn
 
-from zend.traces import GPT2_VOCAB, TokenTrace
+from zend.simulator.traces import GPT2_VOCAB, TokenTrace
 
 
 class TinyGPT(nn.Module):

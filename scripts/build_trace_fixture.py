@@ -1,4 +1,4 @@
-"""Rebuild zend/data/austen_gpt2.npy: Jane Austen's six novels as GPT-2 BPE token ids.
+"""Rebuild zend/simulator/data/austen_gpt2.npy: Jane Austen's six novels as GPT-2 BPE token ids.
 
 Everything comes from the package registries, nothing from a model hub:
 - the text: Debian package r-cran-janeaustenr (public-domain novels, stored as R data),
@@ -6,7 +6,7 @@ Everything comes from the package registries, nothing from a model hub:
 - the tokenizer: GPT-2's byte-pair encoding (50,257 ids) from `gpt2.tiktoken`, which the
   PyPI sdist of openai-whisper ships, run by `tiktoken`.
 
-Usage: python scripts/build_trace_fixture.py [--out zend/data/austen_gpt2.npy]
+Usage: python scripts/build_trace_fixture.py [--out zend/simulator/data/austen_gpt2.npy]
 Needs: apt-get, pip, and `pip install rdata tiktoken`.
 """
 
@@ -76,7 +76,7 @@ def fetch_gpt2_encoding(workdir: str):  # -> tiktoken.Encoding
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="zend/data/austen_gpt2.npy")
+    parser.add_argument("--out", default="zend/simulator/data/austen_gpt2.npy")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         books = fetch_austen(workdir)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from zend.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
+from zend.simulator.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
 
 
 def test_bundled_fixture_is_gpt2_tokenized_english():
@@ -21,7 +21,7 @@ def test_rows_are_the_distinct_token_ids_of_the_batch():
     assert batch.shape == (8, 512)
     grad = trace.embedding_grad(3, 2, dim=4)
     assert grad.indices.tolist() == sorted(set(batch.reshape(-1).tolist()))
-    assert 900 < grad.nnz < 1600  # platform notes: 934-1,459 distinct rows per worker
+    assert 900 < grad.nnz < 1600  # GPT-2 BPE batches of 8 x 512 real tokens touch 934-1,459 distinct rows
 
 
 def test_uncoalesced_grad_has_one_row_per_token():

@@ -1,3 +1,5 @@
 """zen: sparse gradient synchronisation with the ZEN scheme."""
 
-__version__ = "0.1.0"
+from zend.protocol.version import DAEMON_VERSION as __version__
+
+__all__ = ["__version__"]

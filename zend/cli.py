@@ -1,112 +1,36 @@
-"""The `zend` command: `serve`, `status`, `token` and `cluster` (the daemon), `simulate` (one process)."""
+"""The `zend` command: each package contributes its subcommands; this only assembles them.
+
+- zend.daemon.commands: `serve`, `status`, `health`, `token` (one node's daemon);
+- zend.cluster.command: `cluster` (N daemons on this machine);
+- zend.simulator.command: `simulate` (every scheme in one process).
+Each `add_commands(subparsers)` gives its parsers a `run(args) -> exit code`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Sequence
 
-import torch
+from zend.cluster import command as cluster_command
+from zend.daemon import commands as daemon_commands
+from zend.simulator import command as simulator_command
 
-from zend.cluster import add_cluster_command, cmd_cluster
-from zend.core.schemes import SCHEMES
-from zend.daemon.commands import COMMANDS, add_commands
-from zend.runtime import tune_allocator
-from zend.simulate import DEFAULT_SCHEMES, DEFAULT_WORLD_SIZES, as_json_rows, format_table, simulate
-from zend.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: world sizes must be positive integers")
-    return values
-
-
-def _scheme_list(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    unknown = [x for x in names if x not in SCHEMES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown scheme(s) {unknown or text!r}; choose from {', '.join(SCHEMES)}")
-    return names
-
-
-def _batch(text: str) -> tuple[int, int]:
-    try:
-        seqs, seq_len = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"batch {text!r} is not SEQSxLEN, e.g. 8x512") from None
-    if seqs < 1 or seq_len < 1:
-        raise argparse.ArgumentTypeError(f"batch {text!r}: both numbers must be positive")
-    return seqs, seq_len
+CONTRIBUTORS = (simulator_command, daemon_commands, cluster_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zend", description="zen: sparse gradient synchronisation (ZEN scheme)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sim = sub.add_parser("simulate", help="run every scheme on a real embedding-gradient trace, in one process",
-                         description="Run every scheme for several world sizes on traced embedding gradients "
-                                     "and print the bottleneck traffic per scheme.")
-    sim.add_argument("--tokens", default=None,
-                     help=".npy of integer token ids (default: Jane Austen in GPT-2 BPE, bundled)")
-    sim.add_argument("--vocab", type=int, default=None, help=f"vocabulary size = embedding rows (default {GPT2_VOCAB})")
-    sim.add_argument("--batch", type=_batch, default=(8, 512), help="sequences x tokens per worker (default 8x512)")
-    sim.add_argument("--dim", type=int, default=64, help="embedding width: values per row (default 64)")
-    sim.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    sim.add_argument("--nodes", type=_int_list, default=list(DEFAULT_WORLD_SIZES),
-                     help="comma-separated world sizes (default 4,8,16,32,64,128)")
-    sim.add_argument("--schemes", type=_scheme_list, default=list(DEFAULT_SCHEMES))
-    sim.add_argument("--steps", type=int, default=2, help="steps per world size; bytes are averaged (default 2)")
-    sim.add_argument("--seed", type=int, default=0, help="seeds the batches and the hash")
-    sim.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
-    add_commands(sub)
-    add_cluster_command(sub)
+    for contributor in CONTRIBUTORS:
+        contributor.add_commands(sub)
     return parser
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    if args.dim < 1 or args.steps < 1:
-        raise SystemExit(f"zend simulate: --dim {args.dim} and --steps {args.steps} must be at least 1")
-    if args.tokens is None:
-        tokens_path, vocab = default_tokens_path(), args.vocab or GPT2_VOCAB
-    else:
-        if args.vocab is None:
-            raise SystemExit("zend simulate: --tokens needs --vocab (the embedding's number of rows)")
-        tokens_path, vocab = args.tokens, args.vocab
-    try:
-        tokens = load_tokens(tokens_path, vocab)
-        trace = TokenTrace(tokens, vocab, seqs=args.batch[0], seq_len=args.batch[1], seed=args.seed)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"zend simulate: {exc}") from None
-    tune_allocator()
-    start = time.perf_counter()
-    rows = simulate(trace, args.nodes, args.schemes, args.dim, DTYPES[args.dtype], args.steps, args.seed)
-    if args.json:
-        print(json.dumps(as_json_rows(rows), indent=1))
-    else:
-        print(f"trace {tokens_path}: vocab {vocab}, batch {args.batch[0]}x{args.batch[1]} per worker, "
-              f"rows of {args.dim} x {args.dtype}, {args.steps} step(s), seed {args.seed}")
-        print(format_table(rows))
-        print("recv/sent: max over ranks (MB per step); /dense, /bound: bottleneck over dense ring allreduce and over "
-              "the lower bound (docs/SCHEMES.md); push/load/pull: imbalance ratios (1.00 = even); "
-              f"same: every rank got identical bits. {time.perf_counter() - start:.1f} s")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "simulate":
-        return cmd_simulate(args)
-    if args.command == "cluster":
-        return cmd_cluster(args)
-    return COMMANDS[args.command](args)
+    code: int = args.run(args)
+    return code
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import torch
 from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, ZenError, from_rpc_error
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
-from zend.trainer import TensorHandle, TrainerLink
+from zend.protocol import paths
+from zend.protocol.session import TensorHandle, TrainerSession
 
-DEFAULT_SOCKET_DIR = "/run/zend"
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -60,20 +60,20 @@ class Client:
                  local_rank: int | None = None, local_world_size: int | None = None, timeout_s: float = 120.0,
                  max_workers: int = 4):
         env = os.environ
-        self.socket_dir = socket_dir or env.get("ZEN_SOCKET_DIR", DEFAULT_SOCKET_DIR)
-        self.address = f"unix:{os.path.join(self.socket_dir, 'zend.sock')}"
+        self.socket_dir = socket_dir or paths.socket_dir_from_env(env)
+        self.address = paths.grpc_address(self.socket_dir)
         self.job = job or env.get("ZEN_JOB", "default")
         token = token or env.get("ZEN_JOB_TOKEN")
         if not token:
             raise NotAuthorized(f"no job token: pass token= or set ZEN_JOB_TOKEN (`zend token --job {self.job}`)")
         self.timeout_s = timeout_s
-        if not os.path.exists(os.path.join(self.socket_dir, "zend.sock")):
+        if not os.path.exists(paths.grpc_socket(self.socket_dir)):
             raise DaemonUnavailable(f"no zend daemon at {self.address}: the socket does not exist "
                                     "(is the sidecar running? ZEN_SOCKET_DIR points elsewhere?)")
         self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None else local_world_size
         try:
-            self._link = TrainerLink(self.socket_dir, self.job, token, self.local_rank, self.local_world_size,
+            self._session = TrainerSession(self.socket_dir, self.job, token, self.local_rank, self.local_world_size,
                                      timeout_s=min(timeout_s, 30.0))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
@@ -87,7 +87,7 @@ class Client:
     @property
     def world_size(self) -> int:
         """Trainers of the job across the cluster (nodes x local world size)."""
-        return self._link.node_count * self.local_world_size
+        return self._session.node_count * self.local_world_size
 
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, tensor: torch.Tensor | Indexed, *, name: str, average: bool = False,
@@ -102,7 +102,7 @@ class Client:
             entry.in_flight = True
             step = entry.next_step if step is None else step
         try:
-            out = self._link.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
+            out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.address) from None
         finally:
@@ -166,7 +166,7 @@ class Client:
         if entry is None:
             device = "cpu" if grad.device.type == "cpu" else str(grad.device)
             try:
-                handle = self._link.register(name, shape, grad.dtype, dense=kind == "dense", average=average,
+                handle = self._session.register(name, shape, grad.dtype, dense=kind == "dense", average=average,
                                              device=device)
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, self.address) from None
@@ -190,7 +190,7 @@ class Client:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._link.close()
+        self._session.close()
 
     def __enter__(self) -> Client:
         return self

@@ -31,8 +31,8 @@ from zend.buffers import (
     SessionInfo,
     SharedBuffer,
     SharedBufferError,
+    wire,
 )
-from zend.buffers import protocol as wire
 
 pytestmark = pytest.mark.timeout(60)
 

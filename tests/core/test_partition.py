@@ -8,7 +8,7 @@ from zend.core.hashing import SeededHash
 from zend.core.partition import BlockRangePartitioner, RowRangePartitioner, ZenPartitioner
 from zend.core.schemes.base import imbalance
 from zend.core.sparse import SparseGrad
-from zend.traces import TokenTrace
+from zend.simulator.traces import TokenTrace
 
 
 def test_hash_is_seeded_and_in_range():

@@ -133,6 +133,6 @@ def test_topk_rejects_bad_ratio_and_shape_change():
 
 
 def test_allocator_tuning_reports_success_on_glibc():
-    from zend.runtime import tune_allocator
+    from zend.runtime.tuning import tune_allocator
 
     assert tune_allocator() is True  # our machines run glibc; elsewhere it returns False

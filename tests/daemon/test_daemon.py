@@ -17,7 +17,7 @@ import torch
 from tests.daemon.conftest import run_all, status_code
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.core.sparse import SparseGrad
-from zend.trainer import TrainerLink
+from zend.protocol.session import TrainerSession
 
 
 def random_grad(rows: int, dim: int, seed: int, dtype: torch.dtype = torch.float32) -> SparseGrad:
@@ -28,15 +28,16 @@ def random_grad(rows: int, dim: int, seed: int, dtype: torch.dtype = torch.float
 
 
 def test_four_nodes_two_trainer_processes_each_get_the_reference_sum(cluster4):
-    """8 trainer processes (zend.workload) push real-trace gradients; each checks every step's sum."""
+    """8 trainer processes (zend.cluster.workload) push real-trace gradients; each checks every step's sum."""
     procs = []
     for node in range(4):
         for r in range(2):
             env = {**os.environ, "ZEN_JOB_TOKEN": cluster4.token("trace")}
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "zend.workload", "--socket-dir", cluster4.socket_dir(node), "--job", "trace",
-                 "--local-rank", str(r), "--local-world-size", "2", "--node", str(node), "--nodes", "4",
-                 "--steps", "3", "--dim", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+                [sys.executable, "-m", "zend.cluster.workload", "--socket-dir", cluster4.socket_dir(node),
+                 "--job", "trace", "--local-rank", str(r), "--local-world-size", "2", "--node", str(node),
+                 "--nodes", "4", "--steps", "3", "--dim", "16"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -55,7 +56,7 @@ def test_every_dtype_dense_layout_and_average(cluster4, dtype, dense, average):
     rows, dim, steps = 300, 8, 2
 
     def trainer(node: int, local: int) -> list[torch.Tensor]:
-        with TrainerLink(cluster4.socket_dir(node), job, cluster4.token(job), local, 2) as link:
+        with TrainerSession(cluster4.socket_dir(node), job, cluster4.token(job), local, 2) as link:
             h = link.register("w", (rows, dim), dtype=dtype, dense=dense, average=average)
             out = []
             for step in range(steps):
@@ -80,7 +81,7 @@ def test_every_dtype_dense_layout_and_average(cluster4, dtype, dense, average):
 
 def _one_trainer_per_node(cluster, job, body, nodes=4):  # type: ignore[no-untyped-def]
     def run(node: int):  # type: ignore[no-untyped-def]
-        with TrainerLink(cluster.socket_dir(node), job, cluster.token(job), 0, 1, timeout_s=30) as link:
+        with TrainerSession(cluster.socket_dir(node), job, cluster.token(job), 0, 1, timeout_s=30) as link:
             return body(node, link)
     return run_all([lambda n=n: run(n) for n in range(nodes)])
 
@@ -97,7 +98,7 @@ def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(clust
 
 
 def _session(cluster, node=0, job="bad", local_world_size=1):  # type: ignore[no-untyped-def]
-    return TrainerLink(cluster.socket_dir(node), job, cluster.token(job), 0, local_world_size, timeout_s=10)
+    return TrainerSession(cluster.socket_dir(node), job, cluster.token(job), 0, local_world_size, timeout_s=10)
 
 
 def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4):
@@ -236,12 +237,25 @@ def test_status_reports_peers_sessions_and_tensors(cluster4):
     assert any(t["name"] == "wte" and int(t["steps"]) >= 1 for t in status["tensors"])
 
 
+def test_status_and_health_find_the_daemon_through_zen_socket_dir(cluster4):
+    """The one variable the client reads too; the old ZEND_SOCKET_DIR still works, with a deprecation line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ZEN_SOCKET_DIR", "ZEND_SOCKET_DIR")}
+    run = subprocess.run([sys.executable, "-m", "zend", "health"], capture_output=True, text=True, timeout=60,
+                         env={**env, "ZEN_SOCKET_DIR": cluster4.socket_dir(2)})
+    assert run.returncode == 0 and cluster4.socket_dir(2) in run.stdout and "SERVING" in run.stdout, run.stderr
+    assert "deprecated" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "zend", "status"], capture_output=True, text=True, timeout=60,
+                         env={**env, "ZEND_SOCKET_DIR": cluster4.socket_dir(3)})
+    assert run.returncode == 0 and '"node_rank": 3' in run.stdout, run.stderr
+    assert "$ZEND_SOCKET_DIR is deprecated" in run.stderr and "$ZEN_SOCKET_DIR" in run.stderr
+
+
 def test_a_killed_peer_daemon_gives_every_trainer_unavailable_in_bounded_time(fresh_cluster):
     c = fresh_cluster(4, extra=["--peer-timeout-s", "5", "--step-timeout-s", "60", "--log-format", "text"])
     start = time.monotonic()
 
     def body(node: int):  # type: ignore[no-untyped-def]
-        with TrainerLink(c.socket_dir(node), "j", c.token("j"), 0, 1, timeout_s=60) as link:
+        with TrainerSession(c.socket_dir(node), "j", c.token("j"), 0, 1, timeout_s=60) as link:
             h = link.register("emb", (100, 4))
             if node == 3:
                 time.sleep(1.0)
@@ -260,9 +274,9 @@ def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cl
     c = fresh_cluster(1, extra=["--log-format", "text"])
     script = (
         "import sys, time, torch\n"
-        "from zend.trainer import TrainerLink\n"
+        "from zend.protocol.session import TrainerSession\n"
         "from zend.core.sparse import SparseGrad\n"
-        f"link = TrainerLink({c.socket_dir(0)!r}, 'j', {c.token('j')!r}, 1, 2)\n"
+        f"link = TrainerSession({c.socket_dir(0)!r}, 'j', {c.token('j')!r}, 1, 2)\n"
         "h = link.register('emb', (1000, 64))\n"
         "link.buffers.alloc(8 << 20)\n"
         "print('ready', flush=True)\n"
@@ -270,7 +284,7 @@ def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cl
     victim = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout is not None and victim.stdout.readline().strip() == "ready"
-        with TrainerLink(c.socket_dir(0), "j", c.token("j"), 0, 2, timeout_s=30) as partner:
+        with TrainerSession(c.socket_dir(0), "j", c.token("j"), 0, 2, timeout_s=30) as partner:
             h = partner.register("emb", (1000, 64))
 
             def submit():  # type: ignore[no-untyped-def]
@@ -381,7 +395,7 @@ def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):
 
 
 def test_zend_cluster_in_emulated_network_namespaces():
-    from zend.emulated import available
+    from zend.cluster.netns import available
 
     reason = available()
     if reason:

@@ -10,7 +10,7 @@ import pytest
 from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
 from tests.daemon.test_daemon import random_grad
-from zend.trainer import TrainerLink
+from zend.protocol.session import TrainerSession
 
 pytestmark = pytest.mark.skipif(prometheus_binary() is None,
                                 reason="needs the prometheus server binary (Debian package 'prometheus'; "
@@ -47,7 +47,7 @@ def test_prometheus_scrapes_every_key_series(fresh_cluster, tmp_path):
     c = fresh_cluster(2, extra=["--log-format", "text", "--scheme", "zen"])
 
     def trainer(node: int) -> None:
-        with TrainerLink(c.socket_dir(node), "metrics", c.token("metrics"), 0, 1) as link:
+        with TrainerSession(c.socket_dir(node), "metrics", c.token("metrics"), 0, 1) as link:
             h = link.register("emb", (500, 8))
             for step in range(3):
                 link.allreduce(h, random_grad(500, 8, 10 * step + node), step)

@@ -11,9 +11,10 @@ from zend.core.sparse import SparseGrad, SparseGradError
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import JobRegistry, job_token, tensor_id
+from zend.daemon.node_step import local_sum
 from zend.daemon.settings import SettingsError, resolve
 from zend.daemon.steps import StepKey, StepTable
-from zend.daemon.tensors import TensorSpec, align, local_sum
+from zend.protocol.layout import TensorSpec, align
 
 
 def test_step_starts_when_every_local_trainer_has_submitted_and_repeats_join_it():
@@ -147,8 +148,10 @@ def test_job_tokens_sessions_and_tensor_ids():
         reg.open_session("a", 0, 2, pid=12)
     with pytest.raises(StepError, match="runs 2 trainers on this node, not 3"):
         reg.open_session("a", 1, 3, pid=12)
-    with pytest.raises(StepError, match="belongs to another job"):
-        reg.session(s0.session_id, "b")
+    assert reg.authorized_session(s0.session_id, job_token(secret, "a")) is s0
+    with pytest.raises(StepError, match="not job 'a'") as err:  # another job's token reaches no session of 'a'
+        reg.authorized_session(s0.session_id, job_token(secret, "b"))
+    assert err.value.code == codes.UNAUTHENTICATED
     spec = TensorSpec("a", "emb", (10, 2), "float32", "sparse_rows", False)
     state = reg.register(s0, spec, lambda: "scheme")
     assert state.tensor_id == tensor_id("a", "emb") != tensor_id("b", "emb")

@@ -24,8 +24,8 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')")
 import yaml  # noqa: E402  (a dependency of kubernetes-validate)
 
+from zend.daemon.secret import SecretError, load_secret  # noqa: E402
 from zend.daemon.settings import ENV_PREFIX, FIELDS, resolve  # noqa: E402
-from zend.transport.handshake import HandshakeError, load_secret  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -286,7 +286,7 @@ def test_the_cluster_secret_is_a_mounted_file(name: str) -> None:
 def test_the_placeholder_secret_cannot_be_used_by_mistake(tmp_path: Path) -> None:
     placeholder = one("secret.yaml", "Secret", "zen-cluster-secret")["stringData"]["cluster-secret"]
     (tmp_path / "secret").write_text(placeholder)
-    with pytest.raises(HandshakeError, match="at least 16"):
+    with pytest.raises(SecretError, match="at least 16"):
         load_secret(str(tmp_path / "secret"))
 
 

@@ -40,7 +40,7 @@ import yaml
 from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
 from tests.daemon.test_daemon import random_grad
-from zend.trainer import TrainerLink
+from zend.protocol.session import TrainerSession
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "zen-dashboard.json"
@@ -376,7 +376,7 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
     targets = [f"127.0.0.1:{p}" for p in c.metrics_ports]
 
     def trainer(node: int) -> None:
-        with TrainerLink(c.socket_dir(node), JOB, c.token(JOB), 0, 1) as link:
+        with TrainerSession(c.socket_dir(node), JOB, c.token(JOB), 0, 1) as link:
             h = link.register("emb", (500, 8))
             for step in range(STEPS):
                 if step in (0, STEPS - 1):  # two failures, scrapes apart: the error counter has a rate

@@ -11,7 +11,7 @@ from zend.core import SCHEMES, SparseGrad
 from zend.core.codec import decode_units, encode_units
 from zend.core.hashing import SeededHash
 from zend.core.partition import ZenPartitioner
-from zend.traces import TokenTrace
+from zend.simulator.traces import TokenTrace
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

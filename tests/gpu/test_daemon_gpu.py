@@ -12,7 +12,7 @@ import torch
 from tests.daemon.conftest import fresh_cluster, run_all  # noqa: F401  (fixture)
 from tests.daemon.test_daemon import random_grad
 from zend.core.sparse import SparseGrad
-from zend.trainer import TrainerLink
+from zend.protocol.session import TrainerSession
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -23,7 +23,7 @@ def test_two_nodes_sum_gpu_gradients_through_cuda_ipc_buffers(fresh_cluster, den
     rows, dim = 2000, 32
 
     def trainer(node: int, local: int) -> torch.Tensor:
-        with TrainerLink(c.socket_dir(node), "gpu", c.token("gpu"), local, 2) as link:
+        with TrainerSession(c.socket_dir(node), "gpu", c.token("gpu"), local, 2) as link:
             h = link.register("emb", (rows, dim), dense=dense, device="cuda:0")
             assert h.result.device.startswith("cuda")
             g = random_grad(rows, dim, 10 * node + local)

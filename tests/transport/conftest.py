@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from zend.emulated import EmulatedCluster, available
+from zend.cluster.netns import EmulatedCluster, available
 
 SECRET = b"test-cluster-secret-0123456789"
 ROOT = Path(__file__).resolve().parents[2]

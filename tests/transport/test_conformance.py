@@ -10,7 +10,7 @@ import pytest
 
 from tests.transport.conftest import Rank, RankProcesses, RemoteError, call_all, peer_table
 from zend.transport import parse_uri
-from zend.transport.framed import MAGIC
+from zend.transport.frames import MAGIC
 
 
 def test_messages_between_a_pair_arrive_in_order(mesh8):

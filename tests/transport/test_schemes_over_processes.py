@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.transport.conftest import RankProcesses, call_all
-from zend.emulated import EmulatedCluster
+from zend.cluster.netns import EmulatedCluster
 
 SCHEMES = ["zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto"]
 

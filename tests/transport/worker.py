@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from zend.core import Channel, SparseGrad, make_scheme
+from zend.daemon.secret import load_secret
 from zend.transport import create
-from zend.transport.handshake import load_secret
 
 _out = threading.Lock()
 
@@ -99,7 +99,7 @@ class Worker:
         return {"bytes": self.t.peers[src].buffered}
 
     def pool(self) -> dict:
-        return {"stats": vars(self.t.pool.stats)}
+        return {"stats": vars(self.t.receive_pool.stats)}
 
     def redial(self, peer: int, host: str, port: int, timeout_s: float) -> dict:
         self.t.peers[peer].address = (host, port)

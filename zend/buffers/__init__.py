@@ -2,14 +2,14 @@
 
 The daemon owns every buffer (:class:`BufferServer`); a trainer asks for them over a unix
 socket (:class:`BufferClient`) and maps the same memory: :class:`SharedBuffer` on the CPU
-(memfd), :class:`CudaBuffer` on a GPU (CUDA IPC). The wire format is in :mod:`.protocol`.
+(memfd), :class:`CudaBuffer` on a GPU (CUDA IPC). The wire format is in :mod:`.wire`.
 """
 
-from zend.buffers.client import BufferClient
+from zend.buffers.buffer_client import BufferClient
+from zend.buffers.buffer_server import BufferServer, SessionInfo
 from zend.buffers.cuda import CudaBuffer
-from zend.buffers.protocol import ProtocolError
-from zend.buffers.server import BufferServer, SessionInfo
 from zend.buffers.shared import SharedBuffer, SharedBufferError
+from zend.buffers.wire import ProtocolError
 
 __all__ = [
     "BufferClient",

@@ -29,8 +29,8 @@ from typing import Any, Self
 
 import torch
 
-from zend.buffers.protocol import ProtocolError
 from zend.buffers.shared import SharedBuffer, SharedBufferError, check_view_range
+from zend.buffers.wire import ProtocolError
 
 log = logging.getLogger("zend.buffers")
 

@@ -18,14 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from zend.core import dtypes
+
 MAGIC = b"ZN"
 VERSION = 1
 _HEADER = struct.Struct("<2sBBBB2xI4xQQQ")  # magic, version, kind, dtype, index width, unit width, count, domain, aux
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 40
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_DTYPE_CODES = {t.torch: t.wire_code for t in dtypes.VALUE_TYPES}
+_CODE_DTYPES = {t.wire_code: t.torch for t in dtypes.VALUE_TYPES}
 
 
 class CodecError(ValueError):

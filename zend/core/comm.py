@@ -75,14 +75,6 @@ class Traffic:
     def bytes_recv(self) -> int:
         return sum(p.bytes_recv for p in self.phases.values())
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "bytes_recv": self.bytes_recv,
-            "phases": {k: vars(v).copy() for k, v in self.phases.items()},
-            "encodings": dict(self.encodings),
-        }
-
 
 class Channel:
     """A communicator seen through one sync: scoped tags, counted bytes."""

@@ -66,9 +66,14 @@ def bytes_hierarchical(p: Profile) -> float:
     return total
 
 
+def dense_ring_bytes(world_size: int, tensor_bytes: int) -> int:
+    """Bytes each rank sends in a ring allreduce of a dense tensor: reduce-scatter, then allgather,
+    each (n-1)/n of the tensor. Also what the daemon reports as a step's dense equivalent."""
+    return 2 * (world_size - 1) * tensor_bytes // world_size
+
+
 def bytes_dense(p: Profile) -> float:
-    n = p.world_size
-    return 2 * (n - 1) / n * p.num_rows * p.row_bytes if n > 1 else 0.0
+    return float(dense_ring_bytes(p.world_size, p.num_rows * p.row_bytes))
 
 
 COSTS = {"zen": bytes_balanced_parallel, "hc": bytes_hierarchical, "dense": bytes_dense}

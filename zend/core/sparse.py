@@ -13,7 +13,9 @@ from typing import Literal
 
 import torch
 
-VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from zend.core import dtypes
+
+VALUE_DTYPES = dtypes.TORCH_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 NonFinitePolicy = Literal["reject", "pass"]
 
@@ -78,7 +80,7 @@ class SparseGrad:
             raise SparseGradError(f"{where}: index dtype {self.indices.dtype} is not int32 or int64")
         if self.values.dtype not in VALUE_DTYPES:
             raise SparseGradError(
-                f"{where}: value dtype {self.values.dtype} is not one of float32, float16, bfloat16"
+                f"{where}: value dtype {self.values.dtype} is not one of {', '.join(dtypes.NAMES)}"
             )
         if self.indices.dim() != 1:
             raise SparseGradError(f"{where}: indices must be 1-D, got shape {tuple(self.indices.shape)}")

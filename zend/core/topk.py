@@ -44,9 +44,3 @@ class TopKCompressor:
     @staticmethod
     def decompress(sparse: SparseGrad, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         return sparse.to_dense().reshape(shape)
-
-    def reset(self, name: str | None = None) -> None:
-        if name is None:
-            self.residuals.clear()
-        else:
-            self.residuals.pop(name, None)

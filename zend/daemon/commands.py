@@ -1,16 +1,16 @@
-"""`zend serve`, `zend status`, `zend health`, `zend token`: the daemon's commands."""
+"""`zend serve`, `zend status`, `zend health`, `zend token`: the daemon's commands, for zend.cli."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
 from zend.daemon.settings import FIELDS, SettingsError, resolve
+from zend.protocol import paths
 
 log = logging.getLogger("zend.daemon")
 HELP = {
@@ -27,6 +27,7 @@ HELP = {
 
 
 def add_commands(sub: Any) -> None:
+    """Add serve, status, health and token to the `zend` command's subparsers."""
     serve = sub.add_parser("serve", help="run the zend daemon of this node",
                            description="Run the zend daemon. Every flag also reads ZEND_<NAME> (e.g. ZEND_WORLD_SIZE) "
                                        "and the TOML file given by --config or $ZEND_CONFIG; flags win.")
@@ -36,25 +37,38 @@ def add_commands(sub: Any) -> None:
         serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                            help=f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
                            if f.name != "peers" else HELP["peers"])
+    serve.set_defaults(run=cmd_serve)
     status = sub.add_parser("status", help="show a running daemon's members, peers, tensors and steps")
-    status.add_argument("--socket-dir", default=os.environ.get("ZEND_SOCKET_DIR", "/run/zend"))
-    status.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
+    _add_daemon_address(status)
     status.add_argument("--drain", type=float, default=None, metavar="SECONDS",
                         help="ask the daemon to drain (finish steps in flight, refuse new ones)")
+    status.set_defaults(run=cmd_status)
     health = sub.add_parser("health", help="exit 0 if the daemon's grpc.health.v1 check says SERVING (probes)")
-    health.add_argument("--socket-dir", default=os.environ.get("ZEND_SOCKET_DIR", "/run/zend"))
-    health.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
+    _add_daemon_address(health)
     health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(run=cmd_health)
     token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon)")
     token.add_argument("--job", required=True)
     token.add_argument("--secret-file", default=None)
+    token.set_defaults(run=cmd_token)
+
+
+def _add_daemon_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket-dir", default=None,
+                        help=f"the daemon's socket folder (default ${paths.SOCKET_DIR_ENV}, else "
+                             f"{paths.DEFAULT_SOCKET_DIR})")
+    parser.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
+
+
+def _daemon_address(args: argparse.Namespace) -> str:
+    return args.address or paths.grpc_address(args.socket_dir or paths.socket_dir_from_env())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from zend.daemon.daemon import Daemon
     from zend.daemon.logs import setup_logging
-    from zend.daemon.server import Daemon
-    from zend.runtime import tune_process
-    from zend.transport.handshake import HandshakeError
+    from zend.daemon.secret import SecretError
+    from zend.runtime.tuning import tune_process
 
     flags = {name: getattr(args, name) for name in FIELDS}
     try:
@@ -66,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tune_process(settings.threads)  # few threads, pages kept (benchmarks/daemon_overhead.py shows both matter)
     try:
         daemon = Daemon(settings)  # reads the cluster secret
-    except (OSError, HandshakeError) as exc:
+    except (OSError, SecretError) as exc:
         print(f"zend serve: cluster secret: {exc}", file=sys.stderr)
         return 2
     stop_requested = []
@@ -98,7 +112,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from zend.api.zen.v1 import zen_pb2 as pb
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 
-    address = args.address or f"unix:{os.path.join(args.socket_dir, 'zend.sock')}"
+    address = _daemon_address(args)
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.OperatorStub(channel)
         try:
@@ -129,7 +143,7 @@ def health_status(address: str, timeout_s: float) -> str:
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
 
-    address = args.address or f"unix:{os.path.join(args.socket_dir, 'zend.sock')}"
+    address = _daemon_address(args)
     try:
         status = health_status(address, args.timeout)
     except grpc.RpcError as exc:
@@ -141,14 +155,12 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_token(args: argparse.Namespace) -> int:
     from zend.daemon.jobs import job_token
-    from zend.transport.handshake import HandshakeError, load_secret
+    from zend.daemon.secret import SecretError, load_secret
 
     try:
         print(job_token(load_secret(args.secret_file), args.job))
-    except (OSError, HandshakeError) as exc:
+    except (OSError, SecretError) as exc:
         print(f"zend token: {exc}", file=sys.stderr)
         return 1
     return 0
 
-
-COMMANDS = {"serve": cmd_serve, "status": cmd_status, "health": cmd_health, "token": cmd_token}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zend.daemon.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, StepError
-from zend.daemon.tensors import TensorSpec
+from zend.protocol.layout import TensorSpec
 
 MAX_JOB_ID = 128
 
@@ -43,7 +43,27 @@ class Session:
     pid: int
     claimed: bool = False  # its buffer connection is up
     opened_at: float = field(default_factory=time.monotonic)
-    last_step: dict[int, int] = field(default_factory=dict)  # tensor id -> last step submitted
+
+
+@dataclass
+class TensorStats:
+    """What this node's last completed step of a tensor did (for `zend status`)."""
+
+    scheme: str = ""  # the scheme that ran ("" before the first step)
+    steps: int = 0
+    last_step: int = 0
+    last_sync_seconds: float = 0.0
+    last_nnz_in: int = 0
+    last_nnz_out: int = 0
+    last_bytes_sent: int = 0
+    last_push_imbalance: float = 0.0
+    last_pull_imbalance: float = 0.0
+
+    def record(self, *, step: int, scheme: str, seconds: float, nnz_in: int, nnz_out: int, bytes_sent: int,
+               push_imbalance: float, pull_imbalance: float) -> None:
+        self.scheme, self.steps, self.last_step, self.last_sync_seconds = scheme, self.steps + 1, step, seconds
+        self.last_nnz_in, self.last_nnz_out, self.last_bytes_sent = nnz_in, nnz_out, bytes_sent
+        self.last_push_imbalance, self.last_pull_imbalance = push_imbalance, pull_imbalance
 
 
 @dataclass
@@ -53,7 +73,7 @@ class TensorState:
     local_world_size: int
     scheme: Any  # the scheme object (auto keeps state across steps)
     agreed: bool = False  # the nodes have checked they describe it alike
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: TensorStats = field(default_factory=TensorStats)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one sync of a tensor at a time, in step order
 
 
@@ -87,13 +107,26 @@ class JobRegistry:
             self.sessions[session.session_id] = session
             return session
 
-    def session(self, session_id: str, job: str) -> Session:
+    def authorized_session(self, session_id: str, token: str) -> Session:
+        """An open session, if `token` is its job's token."""
         s = self.sessions.get(session_id)
         if s is None:
             raise StepError(NOT_FOUND, f"session {session_id[:12]!r} is not open on this daemon")
-        if s.job != job:
-            raise StepError(UNAUTHENTICATED, f"session {session_id[:12]!r} belongs to another job than {job!r}")
+        self.check_token(s.job, token)
         return s
+
+    def session_list(self) -> list[Session]:
+        with self._lock:
+            return list(self.sessions.values())
+
+    def connected_trainers(self) -> int:
+        """Sessions whose trainer holds its buffer connection."""
+        with self._lock:
+            return sum(1 for s in self.sessions.values() if s.claimed)
+
+    def tensor_list(self) -> list[TensorState]:
+        with self._lock:
+            return list(self.tensors.values())
 
     def close_session(self, session_id: str) -> Session | None:
         with self._lock:

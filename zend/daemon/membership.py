@@ -168,27 +168,36 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _differences(reference: Mapping[str, object], rank: int, other: Mapping[str, object]) -> list[str]:
-    """How rank `rank`'s agreed settings differ from rank 0's, one phrase per setting."""
+def _differences(reference: Mapping[str, object], rank: int, other: Mapping[str, object], noun: str) -> list[str]:
+    """How `noun` `rank`'s values differ from those of `noun` 0, one phrase per field."""
     found = []
     for key in sorted(set(reference) | set(other)):
         if key not in other:
-            found.append(f"rank {rank} has no {key} but rank 0 has {key}={_show(reference[key])}")
+            found.append(f"{noun} {rank} has no {key} but {noun} 0 has {key}={_show(reference[key])}")
         elif key not in reference:
-            found.append(f"rank {rank} has {key}={_show(other[key])} but rank 0 has no {key}")
+            found.append(f"{noun} {rank} has {key}={_show(other[key])} but {noun} 0 has no {key}")
         elif _show(other[key]) != _show(reference[key]):
-            found.append(f"rank {rank} has {key}={_show(other[key])} but rank 0 has {key}={_show(reference[key])}")
+            found.append(f"{noun} {rank} has {key}={_show(other[key])} but {noun} 0 has {key}={_show(reference[key])}")
     return found
+
+
+def disagreements(values_by_rank: Mapping[int, Mapping[str, object]], noun: str = "rank") -> str | None:
+    """Every field where a rank differs from rank 0 (which must be present), as one sentence; None if all
+    agree. Used for the settings at rendezvous and, with noun "node", for a tensor's description."""
+    reference = values_by_rank[0]
+    found = [phrase for rank in sorted(values_by_rank) if rank != 0
+             for phrase in _differences(reference, rank, values_by_rank[rank], noun)]
+    if not found:
+        return None
+    more = f"; ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
+    return "; ".join(found[:MAX_LISTED]) + more
 
 
 def check_agreement(agreed_by_rank: Mapping[int, Mapping[str, object]]) -> None:
     """MembershipError listing every setting where a rank differs from rank 0 (which must be present)."""
-    reference = agreed_by_rank[0]
-    found = [phrase for rank in sorted(agreed_by_rank) if rank != 0
-             for phrase in _differences(reference, rank, agreed_by_rank[rank])]
-    if found:
-        more = f"; ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
-        raise MembershipError("ranks disagree on settings: " + "; ".join(found[:MAX_LISTED]) + more)
+    problem = disagreements(agreed_by_rank)
+    if problem:
+        raise MembershipError("ranks disagree on settings: " + problem)
 
 
 class _Round:

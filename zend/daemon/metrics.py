@@ -1,18 +1,80 @@
-"""The daemon's Prometheus series (prometheus-client, one registry per daemon).
+"""The daemon's Prometheus series (prometheus-client, one registry per daemon), and who records them.
 
-Label sets stay bounded: phases, schemes, status codes and peers are small fixed sets, and
-per-tensor series are kept for at most `max_tensors` tensors (others report as "other").
-The training job is labelled `zen_job`: Prometheus reserves `job` for the scrape job.
+Steps are recorded by `record_step` as they finish; the node's levels (trainers connected, steps
+in flight, pool sizes, peers up) are read at scrape time by a collector from `watch(readings)`,
+so no thread has to keep gauges fresh. Label sets stay bounded: phases, schemes, status codes
+and peers are small fixed sets, and per-tensor series are kept for at most `max_tensors`
+tensors (others report as "other"). The training job is labelled `zen_job`: Prometheus
+reserves `job` for the scrape job.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from zend.core.comm import Communicator
+
+if TYPE_CHECKING:
+    from zend.daemon.node_step import StepOutcome
 
 PHASES = ("wait", "local_sum", "agree", "exchange", "deliver", "total")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True)
+class NodeReadings:
+    """The node's levels at one moment (what the scrape-time gauges show)."""
+
+    connected_trainers: int = 0
+    steps_in_flight: int = 0
+    buffer_pool_bytes: int = 0
+    receive_pool_bytes: int = 0
+    receive_pool_reuse_ratio: float = 0.0
+    peer_up: dict[int, bool] = field(default_factory=dict)
+
+
+# name, help, the NodeReadings field it shows
+_LEVELS = (
+    ("zen_connected_trainers", "Trainer sessions holding a buffer connection", "connected_trainers"),
+    ("zen_steps_in_flight", "Steps opened and not finished", "steps_in_flight"),
+    ("zen_buffer_pool_bytes", "Shared-buffer bytes allocated to trainers", "buffer_pool_bytes"),
+    ("zen_receive_pool_bytes", "Capacity of the data plane's reused receive blocks", "receive_pool_bytes"),
+    ("zen_receive_pool_reuse_ratio", "Share of pooled payloads that landed in a block used before",
+     "receive_pool_reuse_ratio"),
+)
+
+
+class _LevelCollector(Collector):
+    """The node's levels, read when Prometheus scrapes (zeros until the daemon is watched)."""
+
+    def __init__(self) -> None:
+        self.readings: Callable[[], NodeReadings] = NodeReadings
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families(None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families(self.readings())
+
+    @staticmethod
+    def _families(now: NodeReadings | None) -> Iterator[GaugeMetricFamily]:
+        for name, text, attribute in _LEVELS:
+            family = GaugeMetricFamily(name, text)
+            if now is not None:
+                family.add_metric([], float(getattr(now, attribute)))
+            yield family
+        peers = GaugeMetricFamily("zen_peer_up", "1 while the data-plane link to a peer node is up", labels=["peer"])
+        for peer, up in sorted((now.peer_up if now is not None else {}).items()):
+            peers.add_metric([str(peer)], 1.0 if up else 0.0)
+        yield peers
 
 
 class DaemonMetrics:
@@ -20,6 +82,7 @@ class DaemonMetrics:
         self.registry = CollectorRegistry()
         self.max_tensors = max_tensors
         self._tensors: set[str] = set()
+        self._last_scheme: dict[tuple[str, str], str] = {}  # (job, tensor) labels -> scheme of its last step
         self._lock = threading.Lock()
         r = self.registry
         self.sync_seconds = Histogram("zen_sync_duration_seconds", "Time of one step on this node, by phase",
@@ -32,33 +95,68 @@ class DaemonMetrics:
         self.saved_bytes = Counter("zen_saved_bytes", "Dense-equivalent bytes minus bytes really sent", registry=r)
         self.steps = Counter("zen_steps", "Steps synchronised, by scheme", ["scheme"], registry=r)
         self.errors = Counter("zen_errors", "Failed requests and steps, by gRPC status code", ["code"], registry=r)
+        per_tensor = ["zen_job", "tensor"]
         self.nnz_in = Gauge("zen_tensor_input_rows", "Non-zero rows this node contributed at the last step",
-                            ["zen_job", "tensor"], registry=r)
+                            per_tensor, registry=r)
         self.nnz_out = Gauge("zen_tensor_output_rows", "Non-zero rows of the summed gradient at the last step",
-                             ["zen_job", "tensor"], registry=r)
-        self.density = Gauge("zen_tensor_density", "Output non-zero rows / rows at the last step",
-                             ["zen_job", "tensor"],
+                             per_tensor, registry=r)
+        self.density = Gauge("zen_tensor_density", "Output non-zero rows / rows at the last step", per_tensor,
                              registry=r)
         self.densification = Gauge("zen_tensor_densification",
-                                   "Output non-zero rows / mean input rows per node at the last step",
-                                   ["zen_job", "tensor"], registry=r)
+                                   "Output non-zero rows / mean input rows per node at the last step", per_tensor,
+                                   registry=r)
         self.push_imbalance = Gauge("zen_push_imbalance", "Cluster push load imbalance at the last step (1 = even)",
-                                    ["zen_job", "tensor"], registry=r)
+                                    per_tensor, registry=r)
         self.pull_imbalance = Gauge("zen_pull_imbalance", "Cluster pull imbalance at the last step (1 = even)",
-                                    ["zen_job", "tensor"], registry=r)
+                                    per_tensor, registry=r)
         self.scheme = Gauge("zen_scheme_chosen", "1 for the scheme each tensor used at its last step",
-                            ["zen_job", "tensor", "scheme"], registry=r)
-        self.trainers = Gauge("zen_connected_trainers", "Trainer sessions holding a buffer connection", registry=r)
-        self.in_flight = Gauge("zen_steps_in_flight", "Steps opened and not finished", registry=r)
-        self.pool_bytes = Gauge("zen_buffer_pool_bytes", "Shared-buffer bytes allocated to trainers", registry=r)
-        self.receive_pool_bytes = Gauge("zen_receive_pool_bytes",
-                                        "Capacity of the data plane's reused receive blocks", registry=r)
-        self.receive_pool_reuse = Gauge("zen_receive_pool_reuse_ratio",
-                                        "Share of pooled payloads that landed in a block used before", registry=r)
-        self.peer_up = Gauge("zen_peer_up", "1 while the data-plane link to a peer node is up", ["peer"], registry=r)
+                            [*per_tensor, "scheme"], registry=r)
         self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
                           ["node", "transport", "ucx_transports", "membership"], registry=r)
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
+        self._levels = _LevelCollector()
+        r.register(self._levels)
+
+    # ------------------------------------------------------------------ what the daemon tells us
+    def watch(self, readings: Callable[[], NodeReadings]) -> None:
+        """Read the node's levels from `readings` at every scrape."""
+        self._levels.readings = readings
+
+    def set_node(self, node: int, transport: str, ucx_transports: list[str], membership: str,
+                 generation: int) -> None:
+        self.info.labels(str(node), transport, ",".join(ucx_transports), membership).set(1)
+        self.generation.set(generation)
+
+    def count_error(self, code: str) -> None:
+        self.errors.labels(code=code).inc()
+
+    def record_delivery(self, scheme: str, seconds: float) -> None:
+        """One trainer's result written into its buffer."""
+        self.sync_seconds.labels(scheme=scheme, phase="deliver").observe(seconds)
+
+    def record_step(self, job: str, tensor_name: str, outcome: StepOutcome) -> None:
+        """A step of a tensor that succeeded on this node."""
+        for phase, seconds in outcome.phases.items():
+            self.sync_seconds.labels(scheme=outcome.scheme, phase=phase).observe(seconds)
+        self.sync_seconds.labels(scheme=outcome.scheme, phase="total").observe(outcome.seconds)
+        self.steps.labels(scheme=outcome.scheme).inc()
+        self.dense_bytes.inc(outcome.dense_bytes)
+        self.saved_bytes.inc(max(0, outcome.dense_bytes - outcome.bytes_sent))
+        labels = self.tensor_label(job, tensor_name)
+        grad = outcome.grad
+        self.nnz_in.labels(*labels).set(outcome.nnz_in)
+        self.nnz_out.labels(*labels).set(grad.nnz)
+        self.density.labels(*labels).set(grad.density)
+        mean_in = outcome.mean_input_rows or outcome.nnz_in
+        self.densification.labels(*labels).set(grad.nnz / mean_in if mean_in else 1.0)
+        self.push_imbalance.labels(*labels).set(outcome.push_load_imbalance)
+        self.pull_imbalance.labels(*labels).set(outcome.pull_imbalance)
+        with self._lock:
+            previous = self._last_scheme.get(labels)
+            self._last_scheme[labels] = outcome.scheme
+        if previous and previous != outcome.scheme:  # auto switched: one series at 1 per tensor
+            self.scheme.labels(*labels, previous).set(0)
+        self.scheme.labels(*labels, outcome.scheme).set(1)
 
     def tensor_label(self, job: str, name: str) -> tuple[str, str]:
         """(job, tensor) labels, or ("other", "other") past the bound."""
@@ -69,5 +167,24 @@ class DaemonMetrics:
                 return job, name
         return "other", "other"
 
+    def counting(self, comm: Communicator) -> Communicator:
+        """`comm`, with its payload bytes counted per peer."""
+        return _CountingCommunicator(comm, self)
+
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _CountingCommunicator(Communicator):
+    def __init__(self, inner: Communicator, metrics: DaemonMetrics):
+        self.inner, self.metrics = inner, metrics
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
+        self.inner.send(dst, tag, payload)
+        self.metrics.bytes_sent.labels(peer=str(dst)).inc(payload.numel() * payload.element_size())
+
+    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
+        payload = self.inner.recv(src, tag, timeout_s)
+        self.metrics.bytes_received.labels(peer=str(src)).inc(payload.numel() * payload.element_size())
+        return payload

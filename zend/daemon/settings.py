@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from zend.core.schemes import SCHEMES
+from zend.protocol import paths
 from zend.transport import parse_uri
 
 ENV_PREFIX = "ZEND_"
@@ -35,7 +36,7 @@ class Settings:
     generation: int = 0
     secret_file: str = ""                # else $ZEN_CLUSTER_SECRET_FILE, else $ZEN_CLUSTER_SECRET
     # the trainers' side
-    socket_dir: str = "/run/zend"        # zend.sock (gRPC) and buffers.sock live here
+    socket_dir: str = paths.DEFAULT_SOCKET_DIR  # zend.sock (gRPC) and buffers.sock live here
     grpc_listen: str = ""                # optional TCP address for operators and probes, e.g. 0.0.0.0:7070
     grpc_workers: int = 64               # handler threads: one per trainer call in flight
     threads: int = 0                     # torch threads for the daemon's tensor work (0: a quarter of the cores)
@@ -61,11 +62,11 @@ class Settings:
 
     @property
     def grpc_socket(self) -> str:
-        return os.path.join(self.socket_dir, "zend.sock")
+        return paths.grpc_socket(self.socket_dir)
 
     @property
     def buffer_socket(self) -> str:
-        return os.path.join(self.socket_dir, "buffers.sock")
+        return paths.buffer_socket(self.socket_dir)
 
     @property
     def data_uri(self) -> str:

@@ -1,10 +1,11 @@
-"""Authenticating a data-plane connection before anything else crosses it.
+"""Authenticating a data-plane connection before anything else crosses it: the messages and the flow.
 
 Challenge-response with HMAC-SHA256 over a shared cluster secret, both ways: the connecting
 rank proves it knows the secret, and so does the accepting one. Both also agree on the
 protocol version, cluster id, world size and membership generation; a mismatch is refused
-with an error that names the field. Messages are JSON (never pickle).
-The functions here are pure; tcp.py does the socket I/O.
+with an error that names the field. Messages are JSON (never pickle). `connect_side` and
+`accept_side` run the flow over two callables that send and receive one message; each backend
+supplies them (and delimits the messages its own way), so no socket is touched here.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 PROTOCOL_VERSION = 1
-SECRET_ENV = "ZEN_CLUSTER_SECRET"
-SECRET_FILE_ENV = "ZEN_CLUSTER_SECRET_FILE"
 MAX_HANDSHAKE_BYTES = 4096
+
+Message = dict[str, object]
+SendMessage = Callable[[Message], None]
+RecvMessage = Callable[[], Message]
 
 
 class HandshakeError(ConnectionError):
@@ -35,24 +38,6 @@ class Identity:
     world_size: int
     generation: int
     rank: int
-
-
-def load_secret(path: str | None = None) -> bytes:
-    """The cluster secret: from `path`, else $ZEN_CLUSTER_SECRET_FILE, else $ZEN_CLUSTER_SECRET.
-
-    Never from the command line (it would show in `ps`).
-    """
-    path = path or os.environ.get(SECRET_FILE_ENV)
-    if path:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-        source = f"file {path}"
-    else:
-        secret = os.environ.get(SECRET_ENV, "").encode()
-        source = f"${SECRET_ENV}"
-    if len(secret) < 16:
-        raise HandshakeError(f"cluster secret from {source} is {len(secret)} bytes; at least 16 are required")
-    return secret
 
 
 def new_nonce() -> str:
@@ -83,7 +68,7 @@ def verify(secret: bytes, role: str, sender_nonce: str, receiver_nonce: str, who
     return hmac.compare_digest(proof(secret, role, sender_nonce, receiver_nonce, who), mac)
 
 
-def dump(message: dict[str, object]) -> bytes:
+def dump(message: Message) -> bytes:
     """A handshake message as bytes (each backend delimits it its own way)."""
     body = json.dumps(message).encode()
     if len(body) > MAX_HANDSHAKE_BYTES:
@@ -91,7 +76,9 @@ def dump(message: dict[str, object]) -> bytes:
     return body
 
 
-def parse(body: bytes) -> dict[str, object]:
+def parse(body: bytes) -> Message:
+    if len(body) > MAX_HANDSHAKE_BYTES:
+        raise HandshakeError(f"handshake message of {len(body)} bytes exceeds {MAX_HANDSHAKE_BYTES}")
     try:
         message = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -101,7 +88,7 @@ def parse(body: bytes) -> dict[str, object]:
     return message
 
 
-def identity_of(message: dict[str, object]) -> Identity:
+def identity_of(message: Message) -> Identity:
     try:
         fields = message["identity"]
         assert isinstance(fields, dict)
@@ -109,3 +96,50 @@ def identity_of(message: dict[str, object]) -> Identity:
                         int(fields["generation"]), int(fields["rank"]))
     except (KeyError, TypeError, ValueError, AssertionError):
         raise HandshakeError(f"handshake message lacks a valid identity: {message!r:.200}") from None
+
+
+def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes, expected_rank: int) -> None:
+    """The dialling rank's half: hello, check the challenge, prove; HandshakeError if either side refuses."""
+    nonce = new_nonce()
+    send({"type": "hello", "identity": vars(me), "nonce": nonce})
+    reply = recv()
+    if reply.get("type") == "error":
+        raise HandshakeError(f"refused by rank {expected_rank}: {reply.get('error')}")
+    theirs = identity_of(reply)
+    problem = mismatch(me, theirs)
+    if problem is None and theirs.rank != expected_rank:
+        problem = f"rank {theirs.rank} answered where rank {expected_rank} was expected"
+    if problem is None and not verify(secret, "acceptor", str(reply.get("nonce")), nonce, theirs,
+                                      str(reply.get("mac"))):
+        problem = "authentication failed: the peer does not know the cluster secret"
+    if problem:
+        send({"type": "error", "error": problem})
+        raise HandshakeError(f"refused rank {expected_rank}: {problem}")
+    send({"type": "proof", "mac": proof(secret, "connector", nonce, str(reply["nonce"]), me)})
+    final = recv()
+    if final.get("type") != "ok":
+        raise HandshakeError(f"refused by rank {expected_rank}: {final.get('error')}")
+
+
+def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes) -> int:
+    """The accepting rank's half: check the hello, challenge, check the proof; returns the peer's rank."""
+    hello = recv()
+    theirs = identity_of(hello)
+    problem = mismatch(me, theirs)
+    if problem is None and theirs.rank < me.rank:
+        problem = f"rank {theirs.rank} must accept, not connect (lower ranks accept)"
+    if problem:
+        send({"type": "error", "error": problem})
+        raise HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem}")
+    nonce = new_nonce()
+    mac = proof(secret, "acceptor", nonce, str(hello.get("nonce")), me)
+    send({"type": "challenge", "identity": vars(me), "nonce": nonce, "mac": mac})
+    answer = recv()
+    if answer.get("type") == "error":
+        raise HandshakeError(f"rank {theirs.rank} refused us: {answer.get('error')}")
+    if not verify(secret, "connector", str(hello.get("nonce")), nonce, theirs, str(answer.get("mac"))):
+        problem = "authentication failed: wrong cluster secret"
+        send({"type": "error", "error": problem})
+        raise HandshakeError(f"refused rank {theirs.rank}: {problem}")
+    send({"type": "ok"})
+    return theirs.rank

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from zend.core.schemes.auto import AutoScheme
@@ -21,14 +22,18 @@ SCHEMES: dict[str, type[Scheme]] = {
 }
 
 
+def options_of(name: str) -> frozenset[str]:
+    """The options scheme `name` takes: its constructor's parameters."""
+    return frozenset(inspect.signature(SCHEMES[name]).parameters)
+
+
 def make_scheme(name: str, **options: Any) -> Scheme:
-    """A new scheme object; `seed` and `min_slice_width` go to the schemes that take them."""
+    """A new scheme object, given the options it takes among `options` (the others are for other schemes:
+    the daemon passes one set of settings whatever the scheme)."""
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {name!r}; choose from {', '.join(SCHEMES)}")
-    cls = SCHEMES[name]
-    accepted = {"zen": {"seed", "min_slice_width"}, "auto": {"seed", "min_slice_width", "reprofile_every"},
-                "omnireduce": {"block"}}.get(name, set())
-    return cls(**{k: v for k, v in options.items() if k in accepted})
+    accepted = options_of(name)
+    return SCHEMES[name](**{k: v for k, v in options.items() if k in accepted})
 
 
-__all__ = ["SCHEMES", "Scheme", "SyncResult", "make_scheme"]
+__all__ = ["SCHEMES", "Scheme", "SyncResult", "make_scheme", "options_of"]

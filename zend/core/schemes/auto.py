@@ -18,6 +18,8 @@ from zend.core.sparse import SparseGrad
 
 
 class AutoScheme(Scheme):
+    """Not a scheme of its own: it picks one of its three per sync, and that one runs the prologue."""
+
     name = "auto"
 
     def __init__(self, seed: int = 0, reprofile_every: int = 100, min_slice_width: int = 8):
@@ -29,8 +31,6 @@ class AutoScheme(Scheme):
         }
         self.syncs = 0
         self.choice = "zen"
-        self.costs: dict[str, float] = {}
-        self.profile: costmodel.Profile | None = None
 
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
              deterministic: bool = False) -> SyncResult:
@@ -39,12 +39,15 @@ class AutoScheme(Scheme):
         scheme = self.schemes["zen"] if profiling else self.schemes[self.choice]
         result = scheme.sync(ch, grad, average=average, deterministic=deterministic)
         if profiling and result.mean_input_rows is not None:
-            self.profile = costmodel.Profile(
+            profile = costmodel.Profile(
                 world_size=ch.world_size, num_rows=grad.num_rows,
                 row_bytes=grad.row_len * grad.values.element_size(),
                 mean_rows=result.mean_input_rows, union_rows=float(result.grad.nnz),
             )
-            self.choice, self.costs = costmodel.choose(self.profile)
+            self.choice, _ = costmodel.choose(profile)
         result.details.update({"auto_ran": scheme.name, "auto_next": self.choice, "auto_profiled": profiling})
         result.scheme = f"auto:{scheme.name}"
         return result
+
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+        raise NotImplementedError("auto delegates whole syncs to the scheme it picked")

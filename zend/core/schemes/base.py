@@ -35,14 +35,30 @@ class SyncResult:
 
 
 class Scheme(ABC):
-    """One way to sum a sparse gradient over all ranks, written against a Channel."""
+    """One way to sum a sparse gradient over all ranks, written against a Channel.
+
+    `sync` is the same for every scheme: coalesce the input, bind received messages to its
+    device, and answer a one-rank world at once; a scheme writes only `exchange`, the part
+    that talks to the other ranks. The options a scheme takes are its constructor's keyword
+    parameters (`make_scheme` passes each scheme only those).
+    """
 
     name: str
+    coalesce_input = True  # a scheme that reads the gradient another way (dense) sets False
 
-    @abstractmethod
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
              deterministic: bool = False) -> SyncResult:
         """Every rank calls this with its gradient of the same tensor (same shape and dtype)."""
+        if self.coalesce_input or ch.world_size == 1:
+            grad = grad.coalesce(deterministic)
+        ch.bind_device(grad.device)
+        if ch.world_size == 1:
+            return local_only(grad, ch, self.name)
+        return self.exchange(ch, grad, average=average, deterministic=deterministic)
+
+    @abstractmethod
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+        """The cluster-wide sum of `grad` (coalesced unless `coalesce_input` is off), n >= 2."""
 
 
 def imbalance(counts: list[int]) -> float:

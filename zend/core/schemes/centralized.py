@@ -13,7 +13,7 @@ import torch
 from zend.core.aggregate import sum_keyed
 from zend.core.codec import Encoding, decode_units, encode_units, read_header
 from zend.core.comm import Channel
-from zend.core.schemes.base import Scheme, SyncResult, finish, local_only
+from zend.core.schemes.base import Scheme, SyncResult, finish
 from zend.core.sparse import SparseGrad
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (sorted row indices, values (nnz, row_len))
@@ -47,13 +47,8 @@ class HCScheme(Scheme):
     name = "hc"
     encodings = (Encoding.COO, Encoding.BITMAP)
 
-    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
-        grad = grad.coalesce(deterministic)
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
         n, me = ch.world_size, ch.rank
-        ch.bind_device(grad.device)
-        if n == 1:
-            return local_only(grad, ch, self.name)
         rows: Rows = (grad.indices.to(torch.int64), grad.flat_values())
         power = 1 << (n.bit_length() - 1)
         extra = n - power
@@ -84,13 +79,8 @@ class AGSparseScheme(Scheme):
 
     name = "agsparse"
 
-    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
-        grad = grad.coalesce(deterministic)
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
         n, me = ch.world_size, ch.rank
-        ch.bind_device(grad.device)
-        if n == 1:
-            return local_only(grad, ch, self.name)
         own = encode_units(grad.indices.to(torch.int64), grad.flat_values(), grad.num_rows, (Encoding.COO,),
                            keys_sorted=True)
         messages: list[torch.Tensor | None] = [None] * n

@@ -6,7 +6,7 @@ import torch
 
 from zend.core.codec import decode_dense, encode_dense
 from zend.core.comm import Channel
-from zend.core.schemes.base import Scheme, SyncResult, finish, local_only
+from zend.core.schemes.base import Scheme, SyncResult, finish
 from zend.core.sparse import SparseGrad
 
 
@@ -18,13 +18,10 @@ class DenseScheme(Scheme):
     """
 
     name = "dense"
+    coalesce_input = False  # to_dense sums duplicates itself
 
-    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
         n, me = ch.world_size, ch.rank
-        ch.bind_device(grad.device)
-        if n == 1:
-            return local_only(grad.coalesce(deterministic), ch, self.name)
         dense = grad.to_dense().reshape(-1)
         chunks = list(torch.tensor_split(dense, n))
         nxt, prev = (me + 1) % n, (me - 1) % n

@@ -21,7 +21,7 @@ from zend.core.partition import (
     RowRangePartitioner,
     ZenPartitioner,
 )
-from zend.core.schemes.base import Scheme, SyncResult, finish, imbalance, local_only
+from zend.core.schemes.base import Scheme, SyncResult, finish, imbalance
 from zend.core.sparse import SparseGrad
 
 BOTH = (Encoding.COO, Encoding.BITMAP)
@@ -34,35 +34,54 @@ class ParallelScheme(Scheme):
     def partitioner(self, grad: SparseGrad, world_size: int) -> Partitioner:
         raise NotImplementedError
 
-    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
-        grad = grad.coalesce(deterministic)
-        n, me = ch.world_size, ch.rank
-        ch.bind_device(grad.device)
-        if n == 1:
-            return local_only(grad, ch, self.name)
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+        n = ch.world_size
         parts = self.partitioner(grad, n)
         split = parts.split(grad)
-        width, dtype = parts.unit_width, grad.dtype
+        self._push(ch, parts, split)
+        mine, units_in = self._aggregate(ch, parts, split, grad.dtype, average, deterministic)
+        pulled, units_at_owner = self._pull(ch, parts, mine, units_in, grad.dtype)
+        units_per_row = self.units_per_row(parts)
+        return SyncResult(
+            parts.assemble(pulled, grad),
+            self.name,
+            ch.traffic,
+            push_imbalance=imbalance([p.count for p in split]),
+            push_load_imbalance=imbalance(units_at_owner),
+            pull_imbalance=imbalance([p.count for p in pulled]),
+            mean_input_rows=sum(units_at_owner) / n / units_per_row if units_per_row else None,
+            details={"unit_width": parts.unit_width},
+        )
 
-        # Push: partition j's units go to rank j.
+    def _push(self, ch: Channel, parts: Partitioner, split: list[Part]) -> None:
+        """Partition j's units go to rank j."""
+        n, me = ch.world_size, ch.rank
         for step in range(1, n):
             j = (me + step) % n  # staggered, so that no owner is everyone's first target
             msg = encode_units(split[j].keys, split[j].values, parts.domain_size(j), self.encodings)
             ch.note_encoding("push", read_header(msg).kind.name)
             ch.send(j, "push", msg)
+
+    def _aggregate(self, ch: Channel, parts: Partitioner, split: list[Part], dtype: torch.dtype, average: bool,
+                   deterministic: bool) -> tuple[Part, int]:
+        """This rank's partition summed over every rank, and how many units it received."""
+        n, me = ch.world_size, ch.rank
         received: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(n):  # rank order: the sum's order does not depend on arrival
             if i == me:
                 received.append((split[me].keys, split[me].values))
             else:
-                keys, values, _ = decode_units(ch.recv(i, "push"), width, parts.domain_size(me), dtype)
+                keys, values, _ = decode_units(ch.recv(i, "push"), parts.unit_width, parts.domain_size(me), dtype)
                 received.append((keys, values))
         units_in = sum(k.numel() for k, _ in received)
         agg_keys, agg32 = sum_keyed(received, deterministic)
-        mine = Part(agg_keys, finish(agg32, dtype, average, n))
+        return Part(agg_keys, finish(agg32, dtype, average, n)), units_in
 
-        # Pull: every owner sends its aggregated partition to every other rank.
+    def _pull(self, ch: Channel, parts: Partitioner, mine: Part, units_in: int, dtype: torch.dtype
+              ) -> tuple[list[Part], list[int]]:
+        """Every owner sends its summed partition to every other rank; returns every partition and the
+        units each owner received (riding in the header: the cluster-wide figures auto learns from)."""
+        n, me = ch.world_size, ch.rank
         msg = encode_units(mine.keys, mine.values, parts.domain_size(me), self.encodings,
                            aux=units_in, keys_sorted=True)
         ch.note_encoding("pull", read_header(msg).kind.name)
@@ -75,21 +94,11 @@ class ParallelScheme(Scheme):
                 pulled.append(mine)
                 units_at_owner.append(units_in)
             else:
-                keys, values, header = decode_units(ch.recv(j, "pull"), width, parts.domain_size(j), dtype)
+                keys, values, header = decode_units(ch.recv(j, "pull"), parts.unit_width, parts.domain_size(j),
+                                                    dtype)
                 pulled.append(Part(keys, values))
                 units_at_owner.append(header.aux)
-        result = parts.assemble(pulled, grad)
-        units_per_row = self.units_per_row(parts)
-        return SyncResult(
-            result,
-            self.name,
-            ch.traffic,
-            push_imbalance=imbalance([p.count for p in split]),
-            push_load_imbalance=imbalance(units_at_owner),
-            pull_imbalance=imbalance([p.count for p in pulled]),
-            mean_input_rows=sum(units_at_owner) / n / units_per_row if units_per_row else None,
-            details={"unit_width": width},
-        )
+        return pulled, units_at_owner
 
     def units_per_row(self, parts: Partitioner) -> float | None:
         return None

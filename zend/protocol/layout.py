@@ -1,4 +1,4 @@
-"""A registered tensor: what it is, and how its gradient lies in a shared buffer.
+"""How a registered tensor's gradient lies in a shared buffer: the layout both sides agree on.
 
 Pure layout arithmetic and zero-copy views; the buffers themselves come from zend.buffers.
 SPARSE_ROWS: `nnz` int64 row indices at the buffer offset, then, 64-byte aligned, `nnz` rows
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from zend.core import dtypes
 from zend.core.sparse import SparseGrad, SparseGradError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LAYOUTS = ("sparse_rows", "dense")
 ALIGN = 64
 MAX_NAME = 200
@@ -43,8 +43,8 @@ class TensorSpec:
         where = f"tensor {self.name!r} of job {self.job!r}"
         if not self.name or len(self.name) > MAX_NAME:
             raise SparseGradError(f"tensor name {self.name[:40]!r} must have 1 to {MAX_NAME} characters")
-        if self.dtype_name not in DTYPES:
-            raise SparseGradError(f"{where}: dtype {self.dtype_name!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype_name not in dtypes.BY_NAME:
+            raise SparseGradError(f"{where}: dtype {self.dtype_name!r} is not one of {', '.join(dtypes.NAMES)}")
         if self.layout not in LAYOUTS:
             raise SparseGradError(f"{where}: layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if not self.shape or any(d < 1 for d in self.shape) or self.shape[0] >= 2**31:
@@ -54,11 +54,11 @@ class TensorSpec:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype_name]
+        return dtypes.BY_NAME[self.dtype_name].torch
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype_name].itemsize
+        return self.dtype.itemsize
 
     @property
     def num_rows(self) -> int:
@@ -118,17 +118,3 @@ class TensorSpec:
             return
         view(torch.int64, offset, grad.nnz).copy_(grad.indices)
         view(self.dtype, offset + align(grad.nnz * 8), grad.nnz * self.row_len).copy_(grad.values.reshape(-1))
-
-
-def local_sum(spec: TensorSpec, grads: list[SparseGrad]) -> SparseGrad:
-    """The node's gradient: the sum of its trainers' parts (float32 accumulation, one rounding)."""
-    if len(grads) == 1:
-        return grads[0].coalesce()
-    if spec.layout == "dense":
-        total = grads[0].values.to(torch.float32).clone()
-        for g in grads[1:]:
-            total += g.values
-        return SparseGrad(grads[0].indices, total.to(spec.dtype), spec.num_rows, spec.name, True)
-    indices = torch.cat([g.indices.to(torch.int64) for g in grads])
-    values = torch.cat([g.values for g in grads])
-    return SparseGrad(indices, values, spec.num_rows, spec.name).coalesce()

@@ -20,7 +20,7 @@ GPT2_VOCAB = 50257
 
 
 def default_tokens_path() -> Path:
-    return Path(str(resources.files("zend") / "data" / "austen_gpt2.npy"))
+    return Path(str(resources.files("zend.simulator") / "data" / "austen_gpt2.npy"))
 
 
 def load_tokens(path: str | Path, vocab: int) -> np.ndarray:

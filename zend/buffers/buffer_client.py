@@ -13,7 +13,7 @@ import socket
 import threading
 from typing import Any
 
-from zend.buffers import protocol as wire
+from zend.buffers import wire
 from zend.buffers.cuda import CudaBuffer
 from zend.buffers.shared import SharedBuffer, SharedBufferError
 

@@ -1,8 +1,10 @@
-"""One zend daemon: settings in, every part started in order, stopped (or drained) cleanly.
+"""One zend daemon: the composition root. Settings in, every part built, started in order, stopped cleanly.
 
-Start order matters for failing fast: sockets, the gRPC server and the metrics port bind
-first (a port that will not bind stops the daemon before it joins anyone), then membership
-and the data plane; health turns SERVING once every peer is connected.
+Each part gets only the collaborators it uses (the services a registry, the admission and a
+few callables; the admission a buffer lookup and the node's step), so this is the one module
+that knows them all. Start order matters for failing fast: sockets, the gRPC server and the
+metrics port bind first (a port that will not bind stops the daemon before it joins anyone),
+then membership and the data plane; health turns SERVING once every peer is connected.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from concurrent import futures
 from typing import Any
 
@@ -23,14 +24,19 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferServer, SessionInfo
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
+from zend.daemon.admission import Admission
 from zend.daemon.jobs import JobRegistry, Session
-from zend.daemon.membership import Membership, rendezvous, static_membership
-from zend.daemon.metrics import DaemonMetrics
-from zend.daemon.node import NodeSync
-from zend.daemon.service import OperatorService, TrainerService
+from zend.daemon.membership import Membership, from_environment, rendezvous, static_membership
+from zend.daemon.metrics import DaemonMetrics, NodeReadings
+from zend.daemon.node_step import NodeStep
+from zend.daemon.operator_service import OperatorService
+from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
+from zend.daemon.status import NodeStatus, PeerStatus, SessionStatus, TensorStatus
+from zend.daemon.trainer_service import TrainerService
+from zend.protocol.version import DAEMON_VERSION
 from zend.transport import choose_transport, create, parse_uri
-from zend.transport.handshake import load_secret
+from zend.transport.link_transport import LinkTransport
 
 log = logging.getLogger("zend.daemon")
 MAX_CONTROL_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused by gRPC
@@ -39,18 +45,24 @@ SERVICES = ("zen.v1.Trainer", "zen.v1.Operator")
 
 class Daemon:
     def __init__(self, settings: Settings):
-        self.settings = settings
-        self.secret = load_secret(settings.secret_file or None)
+        import torch
+
+        s = self.settings = settings
+        self.secret = load_secret(s.secret_file or None)
+        self.metrics = DaemonMetrics(s.rank)
         self.registry = JobRegistry(self.secret)
-        self.metrics = DaemonMetrics(settings.rank)
-        self.transport: Any = None
+        # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
+        self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
+                                    max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
+                                    cuda_pool=torch.cuda.is_available())
+        self.admission = Admission(self.registry, self.buffers.get, self.metrics, s.step_timeout_s)
+        self.transport: LinkTransport | None = None
         self.transport_name = ""
-        self.buffers: BufferServer | None = None
         self.grpc_server: grpc.Server | None = None
         self.health = health.HealthServicer()
-        self.membership = Membership(settings.rank, settings.world_size, {}, settings.generation,
-                                     settings.cluster_id, settings.agreed(), "not started")  # start() sets it
-        self.node: NodeSync = None  # type: ignore[assignment]  # set by start()
+        self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
+                                     "not started")  # start() finds the real one
+        self.metrics.watch(self.readings)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -58,29 +70,30 @@ class Daemon:
     def start(self) -> Daemon:
         s = self.settings
         os.makedirs(s.socket_dir, mode=0o750, exist_ok=True)
-        import torch
-
-        gpu = torch.cuda.is_available()  # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
-        self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
-                                    max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
-                                    cuda_pool=gpu).start()
+        self.buffers.start()
         self._start_grpc()
         if s.metrics_port:
             self.metrics.serve(s.metrics_host, s.metrics_port)  # OSError at once if the port is taken
         self.membership = self._find_membership()
         self._start_data_plane()
-        self.node = NodeSync(self.transport if self.transport is not None else _Alone(),
-                             self.registry, self.buffers.get, self.metrics, s.step_timeout_s)
-        self.metrics.info.labels(str(s.rank), self.transport_name, ",".join(self.ucx_transports()),
-                                 self.membership.source.split(" ")[0]).set(1)
-        self.metrics.generation.set(self.membership.generation)
+        comm = self.transport if self.transport is not None else _Alone()
+        self.admission.open(NodeStep(self.metrics.counting(comm), s.step_timeout_s))
+        m = self.membership
+        self.metrics.set_node(s.rank, self.transport_name, self.ucx_transports(), m.source.split(" ")[0],
+                              m.generation)
         self._spawn(self._housekeeping, "housekeeping")
-        for name in ("", *SERVICES):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("daemon ready", extra={"event": "ready", "node": self.membership.rank,
-                                        "nodes": self.membership.world_size, "transport": self.transport_name,
-                                        "generation": self.membership.generation, "socket": s.grpc_socket})
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
+                                        "transport": self.transport_name, "generation": m.generation,
+                                        "socket": s.grpc_socket})
         return self
+
+    def _services(self) -> tuple[TrainerService, OperatorService]:
+        s, count_error = self.settings, self.metrics.count_error
+        trainer = TrainerService(self.registry, self.admission, lambda: self.membership, s.buffer_socket,
+                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error)
+        operator = OperatorService(self.status, self.drain, s.drain_timeout_s, count_error)
+        return trainer, operator
 
     def _start_grpc(self) -> None:
         s = self.settings
@@ -88,11 +101,11 @@ class Daemon:
                    ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
                              options=options)
-        pb_grpc.add_TrainerServicer_to_server(TrainerService(self), server)
-        pb_grpc.add_OperatorServicer_to_server(OperatorService(self), server)
+        trainer, operator = self._services()
+        pb_grpc.add_TrainerServicer_to_server(trainer, server)
+        pb_grpc.add_OperatorServicer_to_server(operator, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        for name in ("", *SERVICES):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection(
             (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in SERVICES),
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
@@ -100,8 +113,7 @@ class Daemon:
             os.unlink(s.grpc_socket)  # the buffer server already proved no live daemon owns this folder
         old_umask = os.umask(0o117)  # the socket is created 0660: not world-writable
         try:
-            addresses = [f"unix:{s.grpc_socket}", *([s.grpc_listen] if s.grpc_listen else [])]
-            for address in addresses:
+            for address in [f"unix:{s.grpc_socket}", *([s.grpc_listen] if s.grpc_listen else [])]:
                 try:
                     port = server.add_insecure_port(address)
                 except RuntimeError as exc:
@@ -113,12 +125,14 @@ class Daemon:
             os.umask(old_umask)
         self.grpc_server = server
 
+    def _set_health(self, status: Any) -> None:
+        for name in ("", *SERVICES):
+            self.health.set(name, status)
+
     def _find_membership(self) -> Membership:
         s = self.settings
         if s.rendezvous:
             if s.rendezvous == "env":
-                from zend.daemon.membership import from_environment
-
                 host, port, world_size, rank = from_environment(os.environ)
             else:
                 host, _, port_text = s.rendezvous.rpartition(":")
@@ -158,22 +172,43 @@ class Daemon:
         self._threads.append(t)
 
     def _housekeeping(self) -> None:
-        """Expire steps whose trainers never came and sessions never connected; refresh the gauges."""
+        """Expire steps whose trainers never came, and sessions whose trainer never connected."""
         while not self._stopped.wait(0.5):
-            self.node.expire()
+            self.admission.expire()
             for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
                 self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
                                    "socket", "session_expired", after_s=self.settings.claim_timeout_s)
-            m = self.metrics
-            m.in_flight.set(self.node.table.in_flight())
-            m.trainers.set(sum(1 for s in list(self.registry.sessions.values()) if s.claimed))
-            m.pool_bytes.set(self.buffers.pool_bytes if self.buffers else 0)
-            if self.transport is not None:
-                for j, peer in self.transport.peers.items():
-                    m.peer_up.labels(peer=str(j)).set(1 if peer.link is not None else 0)
-                pool = self.transport.pool.stats
-                m.receive_pool_bytes.set(pool.pooled_bytes)
-                m.receive_pool_reuse.set(pool.reused / max(1, pool.reused + pool.allocated))
+
+    # ------------------------------------------------------------------ what the node reports
+    def readings(self) -> NodeReadings:
+        """The levels Prometheus scrapes."""
+        t = self.transport
+        pool = t.receive_pool.stats if t is not None else None
+        return NodeReadings(
+            connected_trainers=self.registry.connected_trainers(), steps_in_flight=self.admission.in_flight(),
+            buffer_pool_bytes=self.buffers.pool_bytes,
+            receive_pool_bytes=pool.pooled_bytes if pool else 0,
+            receive_pool_reuse_ratio=pool.reused / max(1, pool.reused + pool.allocated) if pool else 0.0,
+            peer_up={p.rank: p.connected for p in t.peer_states()} if t is not None else {})
+
+    def status(self) -> NodeStatus:
+        """The node as `zend status` shows it."""
+        m, links = self.membership, {p.rank: p for p in (self.transport.peer_states() if self.transport else [])}
+        peers = tuple(PeerStatus(j, uri, links[j].connected if j in links else False,
+                                 (links[j].error or "") if j in links else "")
+                      for j, uri in sorted(m.peers.items()) if j != m.rank)
+        sessions = tuple(SessionStatus(s.session_id[:8], s.job, s.local_rank, s.pid,
+                                       self.buffers.session_bytes(s.session_id) if s.claimed else 0)
+                         for s in self.registry.session_list())
+        tensors = tuple(TensorStatus(t.spec.job, t.spec.name, t.tensor_id, t.spec.shape, t.spec.dtype_name,
+                                     t.spec.layout, t.stats.scheme or self.settings.scheme, t.stats.steps,
+                                     t.stats.last_step, t.stats.last_sync_seconds, t.stats.last_nnz_in,
+                                     t.stats.last_nnz_out, t.stats.last_bytes_sent, t.stats.last_push_imbalance,
+                                     t.stats.last_pull_imbalance)
+                        for t in self.registry.tensor_list())
+        return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
+                          tuple(self.ucx_transports()), self.admission.in_flight(), self.admission.draining,
+                          DAEMON_VERSION, self.buffers.pool_bytes, peers, sessions, tensors)
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str) -> SessionInfo | None:
@@ -187,8 +222,7 @@ class Daemon:
 
     def _session_gone(self, s: Session, level: int, message: str, event: str, **extra: Any) -> None:
         """After a session left the registry: its partners' steps fail now, not at their deadline."""
-        if self.node is not None:
-            self.node.session_closed(s)
+        self.admission.session_closed(s)
         log.log(level, message, extra={"event": event, "job": s.job, "local_rank": s.local_rank, "pid": s.pid,
                                        **extra})
 
@@ -200,16 +234,11 @@ class Daemon:
     # ------------------------------------------------------------------ stopping
     def drain(self, timeout_s: float) -> tuple[int, int]:
         """Refuse new steps and sessions; wait for the steps in flight. Returns (completed, abandoned)."""
-        self.node.draining = True
-        for name in ("", *SERVICES):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        pending = self.node.table.open_steps()
-        deadline = time.monotonic() + timeout_s
-        for step in pending:
-            step.done.wait(max(0.0, deadline - time.monotonic()))
-        abandoned = sum(1 for step in pending if not step.done.is_set())
-        log.info("drained", extra={"event": "drain", "completed": len(pending) - abandoned, "abandoned": abandoned})
-        return len(pending) - abandoned, abandoned
+        self.admission.draining = True  # before health says so: nothing new slips in between
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        completed, abandoned = self.admission.drain(timeout_s)
+        log.info("drained", extra={"event": "drain", "completed": completed, "abandoned": abandoned})
+        return completed, abandoned
 
     def stop(self) -> None:
         if self._stopped.is_set():
@@ -217,8 +246,7 @@ class Daemon:
         self._stopped.set()
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=1.0).wait(2.0)
-        if self.buffers is not None:
-            self.buffers.close()
+        self.buffers.close()
         if self.transport is not None:
             self.transport.close()
         if os.path.exists(self.settings.grpc_socket):

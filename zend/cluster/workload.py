@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from zend.traces import TokenTrace
-from zend.trainer import TrainerLink
+from zend.protocol.session import TrainerSession
+from zend.simulator.traces import TokenTrace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     me = args.node * k + args.local_rank
     everyone = range(args.nodes * k)
     ok_all = True
-    with TrainerLink(args.socket_dir, args.job, os.environ["ZEN_JOB_TOKEN"], args.local_rank, k) as link:
+    with TrainerSession(args.socket_dir, args.job, os.environ["ZEN_JOB_TOKEN"], args.local_rank, k) as link:
         handle = link.register("wte", (trace.vocab, args.dim))
         for step in range(args.steps):
             grad = trace.embedding_grad(me, step, args.dim)

@@ -1,8 +1,9 @@
-"""A minimal trainer-side link to the node's zend daemon (tests, benchmarks, `zend cluster`).
+"""A trainer's session with its node's daemon: the protocol, from the trainer's side.
 
-The full client API with PyTorch integration is `client/`; this is the smallest correct use
-of the protocol: open a session, claim it on the buffer socket, register tensors, and for
-each step write the gradient into a shared buffer and Submit a reference to it.
+Open a session over gRPC, claim it on the buffer socket, register tensors, and for each step
+write the gradient into a shared buffer and Submit a reference to it. The full client API with
+PyTorch integration (`client/zen`) is built on this; tests, benchmarks and `zend cluster` use
+it directly.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferClient
+from zend.core import dtypes
 from zend.core.sparse import SparseGrad
-from zend.daemon.tensors import DTYPES, TensorSpec
-
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-DTYPE_ENUMS = {dtype: pb.DType.Value(name.upper()) for name, dtype in DTYPES.items()}
+from zend.protocol import paths
+from zend.protocol.enums import DTYPE_TO_PROTO, LAYOUT_TO_PROTO
+from zend.protocol.layout import TensorSpec
 
 
 @dataclass
@@ -35,11 +36,11 @@ class TensorHandle:
     last_reply: Any = None  # this tensor's last SubmitReply (bytes, scheme, phases)
 
 
-class TrainerLink:
+class TrainerSession:
     def __init__(self, socket_dir: str, job: str, token: str, local_rank: int = 0, local_world_size: int = 1,
                  timeout_s: float = 60.0):
         self.job, self.timeout_s = job, timeout_s
-        self.address = f"unix:{os.path.join(socket_dir, 'zend.sock')}"
+        self.address = paths.grpc_address(socket_dir)
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.TrainerStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
@@ -53,12 +54,12 @@ class TrainerLink:
     def register(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, dense: bool = False,
                  average: bool = False, device: str = "cpu") -> TensorHandle:
         """Buffers on `device`: "cpu" (shared memory) or "cuda:N" (daemon-owned GPU memory, CUDA IPC)."""
-        layout = pb.DENSE if dense else pb.SPARSE_ROWS
+        layout = "dense" if dense else "sparse_rows"
+        dtype_name = dtypes.BY_TORCH[dtype].name
         reply = self.stub.RegisterTensor(pb.RegisterTensorRequest(
-            session_id=self.session_id, name=name, shape=list(shape), dtype=DTYPE_ENUMS[dtype], layout=layout,
-            average=average), timeout=self.timeout_s, metadata=self.metadata)
-        spec = TensorSpec(self.job, name, tuple(shape), DTYPE_NAMES[dtype], "dense" if dense else "sparse_rows",
-                          average)
+            session_id=self.session_id, name=name, shape=list(shape), dtype=DTYPE_TO_PROTO[dtype_name],
+            layout=LAYOUT_TO_PROTO[layout], average=average), timeout=self.timeout_s, metadata=self.metadata)
+        spec = TensorSpec(self.job, name, tuple(shape), dtype_name, layout, average)
         return TensorHandle(reply.tensor_id, spec, device, result=self.buffers.alloc(reply.max_result_bytes, device))
 
     def _input_buffer(self, handle: TensorHandle, nbytes: int) -> Any:
@@ -96,7 +97,7 @@ class TrainerLink:
         self.buffers.close()
         self.channel.close()
 
-    def __enter__(self) -> TrainerLink:
+    def __enter__(self) -> TrainerSession:
         return self
 
     def __exit__(self, *exc: object) -> None:

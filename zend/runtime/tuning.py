@@ -1,4 +1,4 @@
-"""Process-wide settings for zen's own processes (simulator, benchmarks, the daemon)."""
+"""Process-wide tuning for zen's own processes (simulator, benchmarks, the daemon)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from zend.core import costmodel
 from zend.core.comm import Channel, Communicator
 from zend.core.schemes import make_scheme
 from zend.core.sparse import SparseGrad
-from zend.traces import TokenTrace
+from zend.simulator.traces import TokenTrace
 from zend.transport.inproc import InProcessCluster
 
 DEFAULT_WORLD_SIZES = (4, 8, 16, 32, 64, 128)
@@ -90,10 +90,10 @@ def simulate(trace: TokenTrace, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES
         grads = [[trace.embedding_grad(w, s, dim, dtype) for w in range(n)] for s in range(steps)]
         mean_rows = sum(g.nnz for step in grads for g in step) / (n * steps)
         union_rows = sum(len(torch.unique(torch.cat([g.indices for g in step]))) for step in grads) / steps
-        bound = costmodel.bytes_balanced_parallel(
-            costmodel.Profile(n, trace.vocab, row_bytes, mean_rows, union_rows))
+        profile = costmodel.Profile(n, trace.vocab, row_bytes, mean_rows, union_rows)
+        bound = costmodel.bytes_balanced_parallel(profile)
         results = {name: run_scheme_steps(name, grads, seed) for name in schemes}
-        dense_bytes = 2 * (n - 1) / n * trace.vocab * row_bytes
+        dense_bytes = costmodel.bytes_dense(profile)
         for name, reports in results.items():
             recv = sum(max(r.bytes_recv for r in step) for step in reports) / steps
             sent = sum(max(r.bytes_sent for r in step) for step in reports) / steps

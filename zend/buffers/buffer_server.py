@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zend.buffers import protocol as wire
+from zend.buffers import wire
 from zend.buffers.cuda import CudaBuffer
 from zend.buffers.shared import SharedBuffer, SharedBufferError
 
@@ -133,12 +133,6 @@ class BufferServer:
         with self._lock:
             session = self._sessions.get(session_id)
             return 0 if session is None else session.nbytes
-
-    def session_info(self, session_id: str) -> SessionInfo | None:
-        """The info of a session with a live connection, with the trainer's pid."""
-        with self._lock:
-            session = self._sessions.get(session_id)
-            return None if session is None else session.info
 
     @property
     def pool_bytes(self) -> int:

@@ -1,4 +1,4 @@
-"""Reusable receive buffers: a payload lands in a block the transport has used before.
+"""The receive pool: a received payload lands in a block the transport has used before.
 
 Large fresh allocations cost page faults on every message, and UCX registers memory by
 address (its registration cache maps a region once and finds it again by address; for
@@ -35,7 +35,7 @@ class PoolStats:
     pooled_bytes: int = 0  # capacity of all blocks
 
 
-class BufferPool:
+class ReceivePool:
     """Blocks in power-of-two size classes, at most `max_bytes` of them in all."""
 
     def __init__(self, max_bytes: int):

@@ -1,18 +1,18 @@
-"""What every network transport shares: peers, mailboxes, handshake flow, failure handling.
+"""LinkTransport, the base of every network transport: peers, mailboxes, failure handling.
 
 A backend supplies the I/O on one *link* (a socket, a UCX endpoint): dialling, accepting,
-sending and receiving handshake messages and frames. This base keeps the rest in one place:
-one link per pair of ranks (the higher rank dials, the lower accepts), the handshake before
-anything else, messages matched by (source, tag) into mailboxes, a bound on unclaimed bytes
-per peer (a receiver stops reading beyond it, so the sender is held back), a timeout on
-every wait, immediate failure of pending receives when a peer's link breaks (the error names
-the peer), and a background redial when a dialled peer comes back.
+sending and receiving handshake messages and frames (frames.py). This base keeps the rest in
+one place: one link per pair of ranks (the higher rank dials, the lower accepts), the
+handshake (handshake.py) before anything else, messages matched by (source, tag) into
+mailboxes, a bound on unclaimed bytes per peer (a receiver stops reading beyond it, so the
+sender is held back), a timeout on every wait, immediate failure of pending receives when a
+peer's link breaks (the error names the peer), and a background redial when a dialled peer
+comes back.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from abc import abstractmethod
@@ -25,39 +25,10 @@ import torch
 
 from zend.core.comm import CommError, CommTimeout, Communicator
 from zend.transport import handshake as hs
-from zend.transport.pool import BufferPool
+from zend.transport.frames import GOODBYE, FrameError, pack_frame
+from zend.transport.receive_pool import ReceivePool
 
 log = logging.getLogger("zend.transport")
-
-FRAME = struct.Struct("<4sBBxxIQ")  # magic, version, type, tag length, payload length
-MAGIC = b"ZENT"
-FRAME_VERSION = 1
-DATA = 1
-GOODBYE = 2  # sent by close(): the peer fails its pending receives at once, on any backend
-MAX_TAG_BYTES = 236  # a frame header (20 bytes + tag) fits 256 bytes
-
-
-class FrameError(ValueError):
-    """A malformed frame: the link that sent it is dropped, others are untouched."""
-
-
-def pack_frame(tag: str, size: int, kind: int = DATA) -> bytes:
-    tag_bytes = tag.encode()
-    if len(tag_bytes) > MAX_TAG_BYTES:
-        raise CommError(f"tag {tag[:40]!r}... of {len(tag_bytes)} bytes exceeds {MAX_TAG_BYTES}")
-    return FRAME.pack(MAGIC, FRAME_VERSION, kind, len(tag_bytes), size) + tag_bytes
-
-
-def unpack_frame(header: bytes) -> tuple[int, int]:
-    """(tag length, payload size) of a data frame header; ConnectionError for a goodbye."""
-    magic, version, kind, tag_len, size = FRAME.unpack(header[: FRAME.size])
-    if magic == MAGIC and version == FRAME_VERSION and kind == GOODBYE:
-        raise ConnectionError("closed by the peer")
-    if magic != MAGIC or version != FRAME_VERSION or kind != DATA or tag_len > MAX_TAG_BYTES:
-        raise FrameError(f"sent a malformed frame (magic {magic!r}, version {version}, type {kind}, "
-                         f"tag of {tag_len} bytes)")
-    return tag_len, size
-
 
 @dataclass
 class Peer:
@@ -68,6 +39,15 @@ class Peer:
     error: str | None = "not connected yet"
     was_connected: bool = False
     buffered: int = 0  # bytes received and not yet taken by recv
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """A peer's link as others may see it (status, metrics)."""
+
+    rank: int
+    connected: bool
+    error: str | None  # why the link is down (None while it is up)
 
 
 class LinkTransport(Communicator):
@@ -88,7 +68,7 @@ class LinkTransport(Communicator):
         self.timeout_s = timeout_s
         self.max_buffered_bytes = max_buffered_bytes
         self.max_message_bytes = max_message_bytes
-        self.pool = BufferPool(pool_bytes)  # received payloads land in reused blocks
+        self.receive_pool = ReceivePool(pool_bytes)  # received payloads land in reused blocks
         self.peers = {j: Peer(j) for j in range(world_size) if j != rank}
         self._cond = threading.Condition()
         self._boxes: dict[tuple[int, str], deque[torch.Tensor]] = {}
@@ -130,6 +110,10 @@ class LinkTransport(Communicator):
     @property
     def address(self) -> tuple[str, int]:
         return self.host, self.port
+
+    def peer_states(self) -> list[PeerState]:
+        with self._cond:
+            return [PeerState(j, p.link is not None, p.error) for j, p in sorted(self.peers.items())]
 
     def connect(self, peers: dict[int, tuple[str, int]], timeout_s: float | None = None) -> None:
         """Dial every lower rank and wait for every higher rank to dial us."""
@@ -183,63 +167,15 @@ class LinkTransport(Communicator):
         self._threads.append(t)
 
     # ------------------------------------------------------------------ handshake
-    def _send_hs(self, link: Any, message: dict[str, object]) -> None:
-        self._send_message(link, hs.dump(message))
-
-    def _recv_hs(self, link: Any) -> dict[str, object]:
-        data = self._recv_message(link)
-        if len(data) > hs.MAX_HANDSHAKE_BYTES:
-            raise hs.HandshakeError(f"handshake message of {len(data)} bytes exceeds {hs.MAX_HANDSHAKE_BYTES}")
-        return hs.parse(data)
-
-    def _handshake_connector(self, link: Any, expected_rank: int) -> None:
-        nonce = hs.new_nonce()
-        self._send_hs(link, {"type": "hello", "identity": vars(self.identity), "nonce": nonce})
-        reply = self._recv_hs(link)
-        if reply.get("type") == "error":
-            raise hs.HandshakeError(f"refused by rank {expected_rank}: {reply.get('error')}")
-        theirs = hs.identity_of(reply)
-        problem = hs.mismatch(self.identity, theirs)
-        if problem is None and theirs.rank != expected_rank:
-            problem = f"rank {theirs.rank} answered where rank {expected_rank} was expected"
-        if problem is None and not hs.verify(self.secret, "acceptor", str(reply.get("nonce")), nonce, theirs,
-                                             str(reply.get("mac"))):
-            problem = "authentication failed: the peer does not know the cluster secret"
-        if problem:
-            self._send_hs(link, {"type": "error", "error": problem})
-            raise hs.HandshakeError(f"refused rank {expected_rank}: {problem}")
-        mac = hs.proof(self.secret, "connector", nonce, str(reply["nonce"]), self.identity)
-        self._send_hs(link, {"type": "proof", "mac": mac})
-        final = self._recv_hs(link)
-        if final.get("type") != "ok":
-            raise hs.HandshakeError(f"refused by rank {expected_rank}: {final.get('error')}")
-
-    def _handshake_acceptor(self, link: Any) -> int:
-        hello = self._recv_hs(link)
-        theirs = hs.identity_of(hello)
-        problem = hs.mismatch(self.identity, theirs)
-        if problem is None and theirs.rank < self.rank:
-            problem = f"rank {theirs.rank} must accept, not connect (lower ranks accept)"
-        if problem:
-            self._send_hs(link, {"type": "error", "error": problem})
-            raise hs.HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem}")
-        nonce = hs.new_nonce()
-        mac = hs.proof(self.secret, "acceptor", nonce, str(hello.get("nonce")), self.identity)
-        self._send_hs(link, {"type": "challenge", "identity": vars(self.identity), "nonce": nonce, "mac": mac})
-        answer = self._recv_hs(link)
-        if answer.get("type") == "error":
-            raise hs.HandshakeError(f"rank {theirs.rank} refused us: {answer.get('error')}")
-        if not hs.verify(self.secret, "connector", str(hello.get("nonce")), nonce, theirs, str(answer.get("mac"))):
-            problem = "authentication failed: wrong cluster secret"
-            self._send_hs(link, {"type": "error", "error": problem})
-            raise hs.HandshakeError(f"refused rank {theirs.rank}: {problem}")
-        self._send_hs(link, {"type": "ok"})
-        return theirs.rank
+    def _handshake_io(self, link: Any) -> tuple[hs.SendMessage, hs.RecvMessage]:
+        """Send and receive one handshake message on `link`, delimited by the backend."""
+        return (lambda message: self._send_message(link, hs.dump(message)),
+                lambda: hs.parse(self._recv_message(link)))
 
     def _accept(self, link: Any, origin: str) -> None:
         """Authenticate a link a peer opened to us; refuse it (and only it) if that fails."""
         try:
-            rank = self._handshake_acceptor(link)
+            rank = hs.accept_side(*self._handshake_io(link), self.identity, self.secret)
         except (OSError, ConnectionError, hs.HandshakeError, TimeoutError) as exc:
             log.warning("rank %d: refused connection from %s: %s", self.rank, origin, exc)
             self._close_link(link)
@@ -256,7 +192,7 @@ class LinkTransport(Communicator):
             link = None
             try:
                 link = self._open_link(peer.address, max(0.1, deadline - time.monotonic()))
-                self._handshake_connector(link, j)
+                hs.connect_side(*self._handshake_io(link), self.identity, self.secret, j)
             except hs.HandshakeError:
                 if link is not None:
                     self._close_link(link)
@@ -342,7 +278,7 @@ class LinkTransport(Communicator):
 
     def _payload_buffer(self, size: int) -> torch.Tensor:
         """Where a received payload lands; handed to `recv` as it is (no copy)."""
-        return self.pool.take(size)
+        return self.receive_pool.take(size)
 
     def _deliver(self, j: int, tag: str, payload: torch.Tensor) -> None:
         with self._cond:

@@ -1,0 +1,139 @@
+"""`LocalCluster`: N zend daemons on this machine, one `zend serve` process per node.
+
+On loopback, or inside the emulated network namespaces (netns.py), each node with its own
+socket folder, log and cluster secret file; `zend cluster`, the example launcher, the tests
+and the benchmarks all start their daemons through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from zend.daemon.commands import health_status
+from zend.daemon.jobs import job_token
+from zend.protocol import paths
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    """`with LocalCluster(4, workdir) as c:` N daemons; `c.socket_dir(i)`, `c.token(job)`, `c.kill(i)`."""
+
+    def __init__(self, nodes: int, workdir: str | Path, *, transport: str = "tcp", emulated: Any = None,
+                 metrics: bool = True, rendezvous: bool = False, extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 60.0):
+        if nodes < 1:
+            raise ValueError(f"nodes {nodes} must be at least 1")
+        self.nodes, self.workdir = nodes, Path(workdir)
+        self.transport, self.emulated, self.extra = transport, emulated, list(extra)
+        self.ready_timeout_s = ready_timeout_s
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.secret_file = self.workdir / "cluster.secret"
+        self.secret = secrets.token_hex(24).encode()
+        fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.secret)
+        hosts = [emulated.address(i) if emulated else "127.0.0.1" for i in range(nodes)]
+        ports = [7000 if emulated else free_port() for _ in range(nodes)]
+        self.peers = [f"{transport}://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
+        self.metrics_ports = [free_port() if metrics and not emulated else 0 for _ in range(nodes)]
+        # rendezvous: node 0 hosts torch's TCPStore; nobody is told the others' addresses
+        self.store = f"{hosts[0]}:{free_port() if not emulated else 29500}" if rendezvous else ""
+        self.env = {**os.environ, **(env or {}), "ZEN_CLUSTER_SECRET_FILE": str(self.secret_file)}
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def socket_dir(self, node: int) -> str:
+        return str(self.workdir / f"node{node}")
+
+    def log_path(self, node: int) -> Path:
+        return self.workdir / f"node{node}.log"
+
+    def token(self, job: str) -> str:
+        return job_token(self.secret, job)
+
+    def argv(self, node: int) -> list[str]:
+        membership = ["--rendezvous", self.store, "--listen", self.peers[node]] if self.store else [
+            "--peers", ",".join(self.peers)]
+        return [sys.executable, "-m", "zend", "serve", "--rank", str(node), "--world-size", str(self.nodes),
+                *membership, "--transport", self.transport,
+                "--socket-dir", self.socket_dir(node), "--metrics-port", str(self.metrics_ports[node]),
+                "--metrics-host", "127.0.0.1", *self.extra]
+
+    def start_node(self, node: int) -> None:
+        log = open(self.log_path(node), "ab")  # noqa: SIM115 (the child owns it)
+        argv = self.argv(node)
+        if self.emulated is not None:
+            argv = ["ip", "netns", "exec", self.emulated.namespace(node), *argv]
+        self.procs[node] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+        log.close()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            for i in range(self.nodes):
+                self.start_node(i)
+            for i in range(self.nodes):
+                self.wait_ready(i)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, node: int, timeout_s: float | None = None) -> None:
+        """Until the node's health check says SERVING; the error carries the end of its log."""
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        address = paths.grpc_address(self.socket_dir(node))
+        while time.monotonic() < deadline:
+            proc = self.procs.get(node)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"zend node {node} exited with {proc.returncode}:\n{self.log_tail(node)}")
+            with contextlib.suppress(grpc.RpcError):
+                if health_status(address, 1.0) == "SERVING":
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"zend node {node} not ready within the timeout:\n{self.log_tail(node)}")
+
+    def log_tail(self, node: int, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path(node).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[node]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

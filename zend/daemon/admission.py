@@ -1,0 +1,206 @@
+"""Trainer admission and delivery: a trainer's Submit checked, filed with its step, answered.
+
+This is where one gradient enters the daemon (docs/ARCHITECTURE.md): `submit` reads the part
+from the trainer's shared buffer (zero copy, every value checked), files it in the StepTable
+and waits. The last local trainer to arrive runs the node's step (NodeStep) on its own handler
+thread; each waiting trainer then copies the result into its own result buffer. Steps whose
+trainers never come, or whose trainer left, fail here with a status every waiter receives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from zend.core.sparse import SparseGrad, SparseGradError
+from zend.daemon import errors as codes
+from zend.daemon.errors import StepError
+from zend.daemon.jobs import JobRegistry, Session, TensorState
+from zend.daemon.metrics import DaemonMetrics
+from zend.daemon.node_step import NodeStep, StepOutcome
+from zend.daemon.steps import Step, StepKey, StepTable
+from zend.protocol.layout import TensorSpec
+
+log = logging.getLogger("zend.node")
+
+
+class Buffer(Protocol):
+    nbytes: int
+
+    def view(self, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor: ...
+
+
+BufferLookup = Callable[[str, str], Buffer]  # (session id, buffer id) -> buffer; raises if not that session's
+BufferRef = tuple[str, int]  # (buffer id, byte offset)
+
+
+class Admission:
+    """The node's steps as its trainers see them. Refuses steps until `open` gives it the node's
+    step runner (the daemon is still joining its cluster) and after `draining` is set."""
+
+    def __init__(self, registry: JobRegistry, buffers: BufferLookup, metrics: DaemonMetrics, step_timeout_s: float):
+        self.registry, self.buffers, self.metrics = registry, buffers, metrics
+        self.step_timeout_s = step_timeout_s
+        self.table = StepTable()
+        self.draining = False
+        self._node: NodeStep | None = None
+        self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
+        self._lock = threading.Lock()
+
+    def open(self, node: NodeStep) -> None:
+        """Start admitting steps, run by `node`."""
+        self._node = node
+
+    def check_accepting(self, what: str) -> None:
+        """UNAVAILABLE while the daemon is joining its cluster or draining."""
+        if self.draining:
+            raise StepError(codes.UNAVAILABLE, f"the daemon is draining: no new {what}")
+        if self._node is None:
+            raise StepError(codes.UNAVAILABLE, f"the daemon is still joining its cluster: no {what} yet")
+
+    def in_flight(self) -> int:
+        return self.table.in_flight()
+
+    # ------------------------------------------------------------------ a trainer's submission
+    def submit(self, session: Session, tid: int, step_no: int, input_ref: BufferRef, nnz: int, result_ref: BufferRef,
+               wait_s: float) -> StepOutcome:
+        """Sum this trainer's part with every other trainer's; the outcome once it is in `result_ref`."""
+        state = self.registry.tensor(session.job, tid)
+        buf = self._input_buffer(session, state.spec, input_ref, nnz)
+        out = self._buffer(session, result_ref[0], "result")
+        step = self._join(session, state, step_no, self._read(state.spec, buf, input_ref[1], nnz))
+        try:
+            self._wait(step, state.spec, wait_s)
+        finally:
+            with self._lock:  # done, or given up by this trainer: its next step may come
+                self._open_by_session.pop((session.session_id, tid), None)
+        if step.error is not None:
+            raise step.error
+        outcome: StepOutcome = step.result
+        self._deliver(state.spec, outcome, out, result_ref)
+        return outcome
+
+    def _buffer(self, session: Session, buffer_id: str, what: str) -> Buffer:
+        try:
+            return self.buffers(session.session_id, buffer_id)
+        except (KeyError, ValueError) as exc:
+            raise StepError(codes.INVALID_ARGUMENT, f"{what} buffer {buffer_id!r}: {exc}") from None
+
+    def _input_buffer(self, session: Session, spec: TensorSpec, ref: BufferRef, nnz: int) -> Buffer:
+        """The trainer's input buffer, if it holds the `nnz` rows it claims to."""
+        buf = self._buffer(session, ref[0], "input")
+        need = spec.nbytes(nnz)
+        if nnz > 1 << 40 or ref[1] + need > buf.nbytes:
+            raise StepError(codes.INVALID_ARGUMENT, f"input buffer {ref[0]!r} holds {buf.nbytes} bytes; "
+                                                    f"offset {ref[1]} + {need} bytes for nnz={nnz} of tensor "
+                                                    f"{spec.name!r} do not fit")
+        return buf
+
+    @staticmethod
+    def _read(spec: TensorSpec, buf: Buffer, offset: int, nnz: int) -> SparseGrad:
+        """A zero-copy view of the part, every index and value checked (the trainer may have written anything)."""
+        try:
+            return spec.read(buf.view, offset, nnz)
+        except (SparseGradError, ValueError) as exc:
+            raise StepError(codes.INVALID_ARGUMENT, str(exc)) from None
+
+    def _join(self, session: Session, state: TensorState, step_no: int, part: SparseGrad) -> Step:
+        """File the part; the last local trainer to arrive runs the step here, on its own thread."""
+        key = StepKey(session.job, state.tensor_id, step_no)
+        with self._lock:
+            self.check_accepting("steps")
+            waiting = self._open_by_session.get((session.session_id, state.tensor_id))
+            if waiting is not None and waiting != step_no:
+                raise StepError(codes.FAILED_PRECONDITION, f"step {waiting} of tensor {state.spec.name!r} is still "
+                                                           f"in flight for this trainer; submit {step_no} after it")
+            step, start = self.table.join(key, session.local_rank, session.session_id, part,
+                                          state.local_world_size)
+            self._open_by_session[(session.session_id, state.tensor_id)] = step_no
+        if start:
+            self._run(state, step)
+        return step
+
+    def _wait(self, step: Step, spec: TensorSpec, wait_s: float) -> None:
+        limit = min(wait_s, self.step_timeout_s)
+        if not step.done.wait(limit):
+            missing = step.missing()
+            who = f"local trainers {missing} have not submitted it" if missing else "the nodes are still summing it"
+            raise StepError(codes.DEADLINE_EXCEEDED, f"step {step.key.step} of tensor {spec.name!r} not done in "
+                                                     f"{limit:.3g} s: {who}")
+
+    def _deliver(self, spec: TensorSpec, outcome: StepOutcome, out: Buffer, ref: BufferRef) -> None:
+        t0 = time.perf_counter()
+        need = spec.nbytes(outcome.grad.nnz)
+        if ref[1] + need > out.nbytes:
+            raise StepError(codes.RESOURCE_EXHAUSTED, f"result buffer {ref[0]!r} holds {out.nbytes} bytes; "
+                                                      f"the result needs {need} from offset {ref[1]} "
+                                                      f"(submit the step again with a larger one)")
+        spec.write(outcome.grad, out.view, ref[1])
+        self.metrics.record_delivery(outcome.scheme, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ the step
+    def _run(self, state: TensorState, step: Step) -> None:
+        assert self._node is not None  # _join refused the step otherwise
+        key = step.key
+        try:
+            outcome = self._node.run(state, key, [step.parts[r] for r in sorted(step.parts)],
+                                     waited_s=time.monotonic() - step.opened_at)
+        except StepError as err:  # every waiting trainer gets it
+            self.metrics.count_error(err.code)
+            log.warning("step failed", extra={"event": "step_failed", "job": key.job, "tensor": state.spec.name,
+                                              "step": key.step, "code": err.code, "error": err.message})
+            self.table.finish(step, error=err)
+            return
+        self.table.finish(step, result=outcome)  # trainers go on; the bookkeeping comes after
+        try:
+            self._record(state, key, outcome)
+        except Exception:  # bookkeeping must never fail a step that succeeded
+            log.exception("recording step %s of tensor %r", key.step, state.spec.name)
+
+    def _record(self, state: TensorState, key: StepKey, outcome: StepOutcome) -> None:
+        spec = state.spec
+        self.metrics.record_step(spec.job, spec.name, outcome)
+        state.stats.record(step=key.step, scheme=outcome.scheme, seconds=outcome.seconds, nnz_in=outcome.nnz_in,
+                           nnz_out=outcome.grad.nnz, bytes_sent=outcome.bytes_sent,
+                           push_imbalance=outcome.push_load_imbalance, pull_imbalance=outcome.pull_imbalance)
+        log.info("step done", extra={"event": "step_done", "job": spec.job, "tensor": spec.name, "step": key.step,
+                                     "scheme": outcome.scheme, "nnz_in": outcome.nnz_in,
+                                     "nnz_out": outcome.grad.nnz, "bytes_sent": outcome.bytes_sent,
+                                     "seconds": round(outcome.seconds, 6)})
+
+    # ------------------------------------------------------------------ steps that cannot finish
+    def session_closed(self, session: Session) -> None:
+        """A trainer left (or died): steps waiting for it fail now instead of at their deadline."""
+        err = StepError(codes.UNAVAILABLE, f"trainer local rank {session.local_rank} (pid {session.pid}) of job "
+                                           f"{session.job!r} disconnected before the step could start")
+        for step in self.table.abandon(session.job, err):
+            self.metrics.count_error(err.code)
+            log.warning("step failed", extra={"event": "step_failed", "job": session.job, "step": step.key.step,
+                                              "error": err.message})
+        with self._lock:
+            for key in [k for k in self._open_by_session if k[0] == session.session_id]:
+                del self._open_by_session[key]
+
+    def expire(self) -> None:
+        """Fail steps whose local trainers did not all come within the step timeout."""
+        def error_for(step: Step) -> StepError:
+            return StepError(codes.DEADLINE_EXCEEDED, f"step {step.key.step} of tensor {step.key.tensor_id}: "
+                                                      f"local trainers {step.missing()} never submitted it")
+        for step in self.table.expire(self.step_timeout_s, error_for):
+            self.metrics.count_error(codes.DEADLINE_EXCEEDED)
+            log.warning("step expired", extra={"event": "step_expired", "job": step.key.job, "step": step.key.step})
+
+    def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Refuse new steps; wait for those in flight. Returns (completed, abandoned)."""
+        self.draining = True
+        pending = self.table.open_steps()
+        deadline = time.monotonic() + timeout_s
+        for step in pending:
+            step.done.wait(max(0.0, deadline - time.monotonic()))
+        abandoned = sum(1 for step in pending if not step.done.is_set())
+        return len(pending) - abandoned, abandoned

@@ -1,0 +1,59 @@
+"""What `zend status` shows, as one typed snapshot of the node: built by the daemon, sent by the Operator service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    rank: int
+    address: str  # its data-plane URI
+    connected: bool
+    error: str  # why the link is down ("" while it is up)
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    session_id: str  # the first 8 characters: enough to tell sessions apart, too few to act as one
+    job: str
+    local_rank: int
+    pid: int
+    buffer_bytes: int
+
+
+@dataclass(frozen=True)
+class TensorStatus:
+    job: str
+    name: str
+    tensor_id: int
+    shape: tuple[int, ...]
+    dtype_name: str
+    layout: str
+    scheme: str  # the scheme its last step ran, or the configured one before its first
+    steps: int
+    last_step: int
+    last_sync_seconds: float
+    last_nnz_in: int
+    last_nnz_out: int
+    last_bytes_sent: int
+    last_push_imbalance: float
+    last_pull_imbalance: float
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node_rank: int
+    node_count: int
+    generation: int
+    cluster_id: str
+    membership: str  # "static" or "rendezvous tcpstore://host:port"
+    transport: str  # "tcp", "ucx", or "none" for a one-node cluster
+    ucx_transports: tuple[str, ...]
+    steps_in_flight: int
+    draining: bool
+    daemon_version: str
+    buffer_pool_bytes: int
+    peers: tuple[PeerStatus, ...]
+    sessions: tuple[SessionStatus, ...]
+    tensors: tuple[TensorStatus, ...]

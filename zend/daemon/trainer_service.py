@@ -1,0 +1,104 @@
+"""The Trainer gRPC service: sessions, tensors and steps, as the node's trainers ask for them.
+
+Only metadata crosses here; gradient bytes stay in shared buffers. Every call presents the
+job's token; a session only reaches its own job's tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from zend.api.zen.v1 import zen_pb2 as pb
+from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+from zend.core.schemes import Scheme
+from zend.core.sparse import SparseGradError
+from zend.daemon import errors as codes
+from zend.daemon.admission import Admission
+from zend.daemon.errors import StepError
+from zend.daemon.grpc_errors import maps_errors
+from zend.daemon.jobs import JobRegistry, Session
+from zend.daemon.membership import Membership
+from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
+from zend.protocol.layout import TensorSpec
+from zend.protocol.version import DAEMON_VERSION
+
+log = logging.getLogger("zend.service")
+
+
+def bearer_token(context: grpc.ServicerContext) -> str:
+    for key, value in context.invocation_metadata():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    raise StepError(codes.UNAUTHENTICATED, "missing 'authorization: Bearer <job token>' metadata")
+
+
+class TrainerService(pb_grpc.TrainerServicer):
+    """Args:
+        registry: jobs, sessions and tensors (and the tokens that reach them).
+        admission: the node's steps.
+        membership: the node's current membership (it is found after the service starts).
+        buffer_socket: the path trainers claim their session on.
+        new_scheme: a scheme object for a newly registered tensor.
+        end_session: what the daemon does when a trainer closes its session.
+        step_timeout_s: how long a Submit without a deadline waits.
+        count_error: counts each error status answered.
+    """
+
+    def __init__(self, registry: JobRegistry, admission: Admission, membership: Callable[[], Membership],
+                 buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
+                 step_timeout_s: float, count_error: Callable[[str], None]):
+        self.registry, self.admission, self.membership = registry, admission, membership
+        self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
+        self.step_timeout_s, self.count_error = step_timeout_s, count_error
+
+    def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
+        return self.registry.authorized_session(session_id, bearer_token(context))
+
+    @maps_errors
+    def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.registry.check_token(request.job_id, bearer_token(context))
+        self.admission.check_accepting("sessions")
+        s = self.registry.open_session(request.job_id, request.local_rank, request.local_world_size, request.pid)
+        log.info("session opened", extra={"event": "session_open", "job": s.job, "local_rank": s.local_rank,
+                                          "pid": s.pid})
+        m = self.membership()
+        return pb.OpenSessionReply(session_id=s.session_id, buffer_socket=self.buffer_socket, node_rank=m.rank,
+                                   node_count=m.world_size, generation=m.generation, daemon_version=DAEMON_VERSION)
+
+    @maps_errors
+    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.end_session(self._session(context, request.session_id).session_id)
+        return pb.CloseSessionReply()
+
+    @maps_errors
+    def RegisterTensor(self, request: Any, context: grpc.ServicerContext) -> Any:
+        s = self._session(context, request.session_id)
+        if request.dtype not in DTYPE_FROM_PROTO:
+            raise StepError(codes.INVALID_ARGUMENT, f"tensor {request.name!r}: dtype {request.dtype} is not one "
+                                                    f"of {sorted(DTYPE_FROM_PROTO)} (FLOAT32, FLOAT16, BFLOAT16)")
+        if request.layout not in LAYOUT_FROM_PROTO:
+            raise StepError(codes.INVALID_ARGUMENT, f"tensor {request.name!r}: layout {request.layout} is not "
+                                                    "SPARSE_ROWS or DENSE")
+        try:
+            spec = TensorSpec(s.job, request.name, tuple(request.shape), DTYPE_FROM_PROTO[request.dtype],
+                              LAYOUT_FROM_PROTO[request.layout], request.average)
+        except SparseGradError as exc:
+            raise StepError(codes.INVALID_ARGUMENT, str(exc)) from None
+        state = self.registry.register(s, spec, self.new_scheme)
+        return pb.RegisterTensorReply(tensor_id=state.tensor_id, scheme=state.scheme.name,
+                                      max_result_bytes=spec.max_bytes)
+
+    @maps_errors
+    def Submit(self, request: Any, context: grpc.ServicerContext) -> Any:
+        s = self._session(context, request.session_id)
+        left = context.time_remaining()
+        wait_s = self.step_timeout_s if left is None else max(0.0, left - 0.05)  # answer before the deadline
+        out = self.admission.submit(s, request.tensor_id, request.step, (request.input.buffer_id, request.input.offset),
+                                    request.nnz, (request.result.buffer_id, request.result.offset), wait_s)
+        return pb.SubmitReply(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
+                              bytes_received=out.bytes_received, dense_bytes=out.dense_bytes,
+                              phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()])

@@ -1,0 +1,18 @@
+"""The daemon's version, one place: the installed distribution's metadata (pyproject.toml)."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+DISTRIBUTION = "zen-sync"
+API = "zen.v1"  # the gRPC package trainers and daemons speak (proto/zen/v1)
+
+
+def _installed_version() -> str:
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+DAEMON_VERSION = _installed_version()
