@@ -171,7 +171,7 @@ def deliver_total(port: int) -> float:
 
 def replay(spec: Any, handle: Any, nnz: int, result_nnz: int, reps: int) -> dict[str, float]:
     """Each operation of the daemon path alone, on the same shared buffers (the daemons are idle now)."""
-    from zend.daemon.node_step import local_sum
+    from zend.daemon.node_steps import local_sum
     from zend.protocol.layout import TensorSpec
 
     base = TensorSpec  # its plain methods: `spec` times its own

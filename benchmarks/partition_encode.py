@@ -3,7 +3,7 @@
 Prints a table of million non-zero indices per second on one core (torch.set_num_threads(1)),
 for element-sparse gradients (top-k style: 1-D, one value per index) of a 100M-element tensor,
 and for row-sparse GPT-2-like embeddings, first with glibc's default allocator settings, then
-with zend.runtime.tune_allocator() (what zen's own processes use). Target: >= 20 M indices/s.
+with zend.runtime.tuning.tune_allocator() (what zen's own processes use). Target: >= 20 M indices/s.
 
     python benchmarks/partition_encode.py [--repeat 5]
 """

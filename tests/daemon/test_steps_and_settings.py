@@ -11,7 +11,7 @@ from zend.core.sparse import SparseGrad, SparseGradError
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import JobRegistry, job_token, tensor_id
-from zend.daemon.node_step import local_sum
+from zend.daemon.node_steps import local_sum
 from zend.daemon.settings import SettingsError, resolve
 from zend.daemon.steps import StepKey, StepTable
 from zend.protocol.layout import TensorSpec, align
@@ -148,10 +148,10 @@ def test_job_tokens_sessions_and_tensor_ids():
         reg.open_session("a", 0, 2, pid=12)
     with pytest.raises(StepError, match="runs 2 trainers on this node, not 3"):
         reg.open_session("a", 1, 3, pid=12)
-    assert reg.authorized_session(s0.session_id, job_token(secret, "a")) is s0
-    with pytest.raises(StepError, match="not job 'a'") as err:  # another job's token reaches no session of 'a'
-        reg.authorized_session(s0.session_id, job_token(secret, "b"))
-    assert err.value.code == codes.UNAUTHENTICATED
+    assert reg.session(s0.session_id) is s0
+    with pytest.raises(StepError, match="is not open on this daemon") as err:
+        reg.session("no-such-session")
+    assert err.value.code == codes.NOT_FOUND
     spec = TensorSpec("a", "emb", (10, 2), "float32", "sparse_rows", False)
     state = reg.register(s0, spec, lambda: "scheme")
     assert state.tensor_id == tensor_id("a", "emb") != tensor_id("b", "emb")

@@ -21,9 +21,9 @@ from typing import Any
 
 import grpc
 
-from zend.daemon.commands import health_status
 from zend.daemon.jobs import job_token
 from zend.protocol import paths
+from zend.protocol.health import health_status
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -128,20 +128,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def health_status(address: str, timeout_s: float) -> str:
-    """The daemon's overall grpc.health.v1 status ("SERVING", "NOT_SERVING", ...); grpc.RpcError if
-    nobody answers."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                          timeout=timeout_s)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-
-
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
+
+    from zend.protocol.health import health_status
 
     address = _daemon_address(args)
     try:

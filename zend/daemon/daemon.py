@@ -1,7 +1,7 @@
 """One zend daemon: the composition root. Settings in, every part built, started in order, stopped cleanly.
 
-Each part gets only the collaborators it uses (the services a registry, the admission and a
-few callables; the admission a buffer lookup and the node's step), so this is the one module
+Each part gets only the collaborators it uses (the services a registry, the trainer steps and
+a few callables; the trainer steps a buffer lookup and the node's steps), so this is the one module
 that knows them all. Start order matters for failing fast: sockets, the gRPC server and the
 metrics port bind first (a port that will not bind stops the daemon before it joins anyone),
 then membership and the data plane; health turns SERVING once every peer is connected.
@@ -24,16 +24,16 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferServer, SessionInfo
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
-from zend.daemon.admission import Admission
 from zend.daemon.jobs import JobRegistry, Session
 from zend.daemon.membership import Membership, from_environment, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
-from zend.daemon.node_step import NodeStep
+from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
 from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
 from zend.daemon.status import NodeStatus, PeerStatus, SessionStatus, TensorStatus
 from zend.daemon.trainer_service import TrainerService
+from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.version import DAEMON_VERSION
 from zend.transport import choose_transport, create, parse_uri
 from zend.transport.link_transport import LinkTransport
@@ -55,7 +55,7 @@ class Daemon:
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
                                     max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
                                     cuda_pool=torch.cuda.is_available())
-        self.admission = Admission(self.registry, self.buffers.get, self.metrics, s.step_timeout_s)
+        self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
         self.grpc_server: grpc.Server | None = None
@@ -77,12 +77,13 @@ class Daemon:
         self.membership = self._find_membership()
         self._start_data_plane()
         comm = self.transport if self.transport is not None else _Alone()
-        self.admission.open(NodeStep(self.metrics.counting(comm), s.step_timeout_s))
+        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s))
         m = self.membership
         self.metrics.set_node(s.rank, self.transport_name, self.ucx_transports(), m.source.split(" ")[0],
                               m.generation)
         self._spawn(self._housekeeping, "housekeeping")
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if not self.trainer_steps.draining:  # an operator may have drained it while it was joining
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
                                         "transport": self.transport_name, "generation": m.generation,
                                         "socket": s.grpc_socket})
@@ -90,7 +91,7 @@ class Daemon:
 
     def _services(self) -> tuple[TrainerService, OperatorService]:
         s, count_error = self.settings, self.metrics.count_error
-        trainer = TrainerService(self.registry, self.admission, lambda: self.membership, s.buffer_socket,
+        trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
                                  self.new_scheme, self.end_session, s.step_timeout_s, count_error)
         operator = OperatorService(self.status, self.drain, s.drain_timeout_s, count_error)
         return trainer, operator
@@ -174,7 +175,7 @@ class Daemon:
     def _housekeeping(self) -> None:
         """Expire steps whose trainers never came, and sessions whose trainer never connected."""
         while not self._stopped.wait(0.5):
-            self.admission.expire()
+            self.trainer_steps.expire()
             for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
                 self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
                                    "socket", "session_expired", after_s=self.settings.claim_timeout_s)
@@ -185,7 +186,7 @@ class Daemon:
         t = self.transport
         pool = t.receive_pool.stats if t is not None else None
         return NodeReadings(
-            connected_trainers=self.registry.connected_trainers(), steps_in_flight=self.admission.in_flight(),
+            connected_trainers=self.registry.connected_trainers(), steps_in_flight=self.trainer_steps.in_flight(),
             buffer_pool_bytes=self.buffers.pool_bytes,
             receive_pool_bytes=pool.pooled_bytes if pool else 0,
             receive_pool_reuse_ratio=pool.reused / max(1, pool.reused + pool.allocated) if pool else 0.0,
@@ -207,7 +208,7 @@ class Daemon:
                                      t.stats.last_pull_imbalance)
                         for t in self.registry.tensor_list())
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
-                          tuple(self.ucx_transports()), self.admission.in_flight(), self.admission.draining,
+                          tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.trainer_steps.draining,
                           DAEMON_VERSION, self.buffers.pool_bytes, peers, sessions, tensors)
 
     # ------------------------------------------------------------------ sessions
@@ -222,7 +223,7 @@ class Daemon:
 
     def _session_gone(self, s: Session, level: int, message: str, event: str, **extra: Any) -> None:
         """After a session left the registry: its partners' steps fail now, not at their deadline."""
-        self.admission.session_closed(s)
+        self.trainer_steps.session_closed(s)
         log.log(level, message, extra={"event": event, "job": s.job, "local_rank": s.local_rank, "pid": s.pid,
                                        **extra})
 
@@ -234,9 +235,9 @@ class Daemon:
     # ------------------------------------------------------------------ stopping
     def drain(self, timeout_s: float) -> tuple[int, int]:
         """Refuse new steps and sessions; wait for the steps in flight. Returns (completed, abandoned)."""
-        self.admission.draining = True  # before health says so: nothing new slips in between
+        self.trainer_steps.draining = True  # before health says so: nothing new slips in between
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        completed, abandoned = self.admission.drain(timeout_s)
+        completed, abandoned = self.trainer_steps.drain(timeout_s)
         log.info("drained", extra={"event": "drain", "completed": completed, "abandoned": abandoned})
         return completed, abandoned
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from zend.daemon.agreement import disagreements, show_value
 from zend.transport import parse_uri
 from zend.transport.handshake import PROTOCOL_VERSION
 
 PROTOCOL_KEY = "protocol_version"
 ENV_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 POLL_S = 0.02
-MAX_LISTED = 10  # mismatches listed in one error before "... and N more"
 
 
 class MembershipError(ValueError):
@@ -51,10 +51,6 @@ class Membership:
     cluster_id: str
     agreed: dict[str, object]  # the settings every rank agreed on (JSON-able), protocol_version included
     source: str  # "static" or "rendezvous tcpstore://host:port"
-
-
-def _show(value: object) -> str:
-    return json.dumps(value, sort_keys=True)
 
 
 def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:
@@ -89,7 +85,7 @@ def _with_protocol(agreed: object) -> dict[str, object]:
         if not isinstance(key, str):
             raise MembershipError(f"agreed has key {key!r}: setting names must be strings")
     if PROTOCOL_KEY in agreed and agreed[PROTOCOL_KEY] != PROTOCOL_VERSION:
-        raise MembershipError(f"agreed has {PROTOCOL_KEY}={_show(agreed[PROTOCOL_KEY])} but this zend speaks "
+        raise MembershipError(f"agreed has {PROTOCOL_KEY}={show_value(agreed[PROTOCOL_KEY])} but this zend speaks "
                               f"{PROTOCOL_KEY}={PROTOCOL_VERSION}")
     try:
         text = json.dumps({**agreed, PROTOCOL_KEY: PROTOCOL_VERSION}, sort_keys=True, allow_nan=False)
@@ -166,31 +162,6 @@ def from_environment(env: Mapping[str, str]) -> tuple[str, int, int, int]:
 def _ranks(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _differences(reference: Mapping[str, object], rank: int, other: Mapping[str, object], noun: str) -> list[str]:
-    """How `noun` `rank`'s values differ from those of `noun` 0, one phrase per field."""
-    found = []
-    for key in sorted(set(reference) | set(other)):
-        if key not in other:
-            found.append(f"{noun} {rank} has no {key} but {noun} 0 has {key}={_show(reference[key])}")
-        elif key not in reference:
-            found.append(f"{noun} {rank} has {key}={_show(other[key])} but {noun} 0 has no {key}")
-        elif _show(other[key]) != _show(reference[key]):
-            found.append(f"{noun} {rank} has {key}={_show(other[key])} but {noun} 0 has {key}={_show(reference[key])}")
-    return found
-
-
-def disagreements(values_by_rank: Mapping[int, Mapping[str, object]], noun: str = "rank") -> str | None:
-    """Every field where a rank differs from rank 0 (which must be present), as one sentence; None if all
-    agree. Used for the settings at rendezvous and, with noun "node", for a tensor's description."""
-    reference = values_by_rank[0]
-    found = [phrase for rank in sorted(values_by_rank) if rank != 0
-             for phrase in _differences(reference, rank, values_by_rank[rank], noun)]
-    if not found:
-        return None
-    more = f"; ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
-    return "; ".join(found[:MAX_LISTED]) + more
 
 
 def check_agreement(agreed_by_rank: Mapping[int, Mapping[str, object]]) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from zend.core.comm import Communicator
 
 if TYPE_CHECKING:
-    from zend.daemon.node_step import StepOutcome
+    from zend.daemon.node_steps import StepOutcome
 
 PHASES = ("wait", "local_sum", "agree", "exchange", "deliver", "total")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -82,7 +82,7 @@ class DaemonMetrics:
         self.registry = CollectorRegistry()
         self.max_tensors = max_tensors
         self._tensors: set[str] = set()
-        self._last_scheme: dict[tuple[str, str], str] = {}  # (job, tensor) labels -> scheme of its last step
+        self._last_scheme: dict[tuple[str, str], str] = {}  # (job, tensor) -> the scheme of its last step
         self._lock = threading.Lock()
         r = self.registry
         self.sync_seconds = Histogram("zen_sync_duration_seconds", "Time of one step on this node, by phase",
@@ -152,8 +152,8 @@ class DaemonMetrics:
         self.push_imbalance.labels(*labels).set(outcome.push_load_imbalance)
         self.pull_imbalance.labels(*labels).set(outcome.pull_imbalance)
         with self._lock:
-            previous = self._last_scheme.get(labels)
-            self._last_scheme[labels] = outcome.scheme
+            previous = self._last_scheme.get((job, tensor_name))
+            self._last_scheme[(job, tensor_name)] = outcome.scheme
         if previous and previous != outcome.scheme:  # auto switched: one series at 1 per tensor
             self.scheme.labels(*labels, previous).set(0)
         self.scheme.labels(*labels, outcome.scheme).set(1)

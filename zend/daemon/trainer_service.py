@@ -17,11 +17,11 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.core.schemes import Scheme
 from zend.core.sparse import SparseGradError
 from zend.daemon import errors as codes
-from zend.daemon.admission import Admission
 from zend.daemon.errors import StepError
 from zend.daemon.grpc_errors import maps_errors
 from zend.daemon.jobs import JobRegistry, Session
 from zend.daemon.membership import Membership
+from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
 from zend.protocol.layout import TensorSpec
 from zend.protocol.version import DAEMON_VERSION
@@ -39,7 +39,7 @@ def bearer_token(context: grpc.ServicerContext) -> str:
 class TrainerService(pb_grpc.TrainerServicer):
     """Args:
         registry: jobs, sessions and tensors (and the tokens that reach them).
-        admission: the node's steps.
+        trainer_steps: the node's steps as its trainers see them.
         membership: the node's current membership (it is found after the service starts).
         buffer_socket: the path trainers claim their session on.
         new_scheme: a scheme object for a newly registered tensor.
@@ -48,20 +48,23 @@ class TrainerService(pb_grpc.TrainerServicer):
         count_error: counts each error status answered.
     """
 
-    def __init__(self, registry: JobRegistry, admission: Admission, membership: Callable[[], Membership],
+    def __init__(self, registry: JobRegistry, trainer_steps: TrainerSteps, membership: Callable[[], Membership],
                  buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
                  step_timeout_s: float, count_error: Callable[[str], None]):
-        self.registry, self.admission, self.membership = registry, admission, membership
+        self.registry, self.trainer_steps, self.membership = registry, trainer_steps, membership
         self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
 
     def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
-        return self.registry.authorized_session(session_id, bearer_token(context))
+        """The open session, if the caller holds its job's token (an unknown session is NOT_FOUND first)."""
+        s = self.registry.session(session_id)
+        self.registry.check_token(s.job, bearer_token(context))
+        return s
 
     @maps_errors
     def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.registry.check_token(request.job_id, bearer_token(context))
-        self.admission.check_accepting("sessions")
+        self.trainer_steps.check_accepting("sessions")
         s = self.registry.open_session(request.job_id, request.local_rank, request.local_world_size, request.pid)
         log.info("session opened", extra={"event": "session_open", "job": s.job, "local_rank": s.local_rank,
                                           "pid": s.pid})
@@ -97,8 +100,9 @@ class TrainerService(pb_grpc.TrainerServicer):
         s = self._session(context, request.session_id)
         left = context.time_remaining()
         wait_s = self.step_timeout_s if left is None else max(0.0, left - 0.05)  # answer before the deadline
-        out = self.admission.submit(s, request.tensor_id, request.step, (request.input.buffer_id, request.input.offset),
-                                    request.nnz, (request.result.buffer_id, request.result.offset), wait_s)
+        out = self.trainer_steps.submit(s, request.tensor_id, request.step,
+                                        (request.input.buffer_id, request.input.offset), request.nnz,
+                                        (request.result.buffer_id, request.result.offset), wait_s)
         return pb.SubmitReply(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
                               bytes_received=out.bytes_received, dense_bytes=out.dense_bytes,
                               phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()])

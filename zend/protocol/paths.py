@@ -15,7 +15,9 @@ DEFAULT_SOCKET_DIR = "/run/zend"
 GRPC_SOCKET = "zend.sock"
 BUFFER_SOCKET = "buffers.sock"
 SOCKET_DIR_ENV = "ZEN_SOCKET_DIR"
-DEPRECATED_SOCKET_DIR_ENV = "ZEND_SOCKET_DIR"  # the name `zend status` and `zend health` used to read
+# the daemon's own setting (--socket-dir), which `zend status` and `zend health` used to read too:
+# still honoured here, with a warning, for tools and scripts that set only it
+DAEMON_SOCKET_DIR_ENV = "ZEND_SOCKET_DIR"
 
 log = logging.getLogger("zend.protocol")
 
@@ -25,10 +27,10 @@ def socket_dir_from_env(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     if env.get(SOCKET_DIR_ENV):
         return env[SOCKET_DIR_ENV]
-    if env.get(DEPRECATED_SOCKET_DIR_ENV):
+    if env.get(DAEMON_SOCKET_DIR_ENV):
         log.warning("$%s is deprecated for reaching a daemon; set $%s (both name the socket folder)",
-                    DEPRECATED_SOCKET_DIR_ENV, SOCKET_DIR_ENV)
-        return env[DEPRECATED_SOCKET_DIR_ENV]
+                    DAEMON_SOCKET_DIR_ENV, SOCKET_DIR_ENV)
+        return env[DAEMON_SOCKET_DIR_ENV]
     return DEFAULT_SOCKET_DIR
 
 

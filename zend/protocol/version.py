@@ -5,7 +5,6 @@ from __future__ import annotations
 from importlib import metadata
 
 DISTRIBUTION = "zen-sync"
-API = "zen.v1"  # the gRPC package trainers and daemons speak (proto/zen/v1)
 
 
 def _installed_version() -> str:

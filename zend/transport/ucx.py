@@ -52,6 +52,11 @@ UCX_DEFAULTS = {
 }
 HEADER_BYTES = FRAME.size + MAX_TAG_BYTES
 DEVICE_FLAG = 1 << 63  # set in the size field: the payload is GPU memory
+# One dial attempt's bound; the dial loop retries until its own deadline. A connect to a peer
+# whose listener is not up yet usually fails at once, but ucxx sometimes leaves create_endpoint
+# waiting after the refusal (seen here: the error callback fired, the call hung for its whole
+# timeout while the peer came up 0.5 s later).
+CONNECT_ATTEMPT_S = 3.0
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
@@ -147,9 +152,10 @@ class UcxTransport(LinkTransport):
     def _open_link(self, address: tuple[str, int], timeout_s: float) -> Any:
         import ucxx
 
+        attempt_s = min(timeout_s, CONNECT_ATTEMPT_S)
         try:
-            return self._run(ucxx.create_endpoint(address[0], address[1], connect_timeout=timeout_s),
-                             timeout_s + 1)
+            return self._run(ucxx.create_endpoint(address[0], address[1], connect_timeout=attempt_s),
+                             attempt_s + 1)
         except Exception as exc:  # ucxx raises its own error types for refused connections
             raise ConnectionError(f"UCX connect failed: {exc}") from None
 

@@ -18,7 +18,7 @@ from zend.core.sparse import SparseGrad
 
 
 class AutoScheme(Scheme):
-    """Not a scheme of its own: it picks one of its three per sync, and that one runs the prologue."""
+    """Not a scheme of its own: it picks one of its three per sync, which does the work."""
 
     name = "auto"
 
@@ -48,6 +48,3 @@ class AutoScheme(Scheme):
         result.details.update({"auto_ran": scheme.name, "auto_next": self.choice, "auto_profiled": profiling})
         result.scheme = f"auto:{scheme.name}"
         return result
-
-    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
-        raise NotImplementedError("auto delegates whole syncs to the scheme it picked")

@@ -37,18 +37,30 @@ class SyncResult:
 class Scheme(ABC):
     """One way to sum a sparse gradient over all ranks, written against a Channel.
 
-    `sync` is the same for every scheme: coalesce the input, bind received messages to its
-    device, and answer a one-rank world at once; a scheme writes only `exchange`, the part
-    that talks to the other ranks. The options a scheme takes are its constructor's keyword
-    parameters (`make_scheme` passes each scheme only those).
+    The options a scheme takes are its constructor's keyword parameters (`make_scheme` passes
+    each scheme only those).
     """
 
     name: str
+
+    @abstractmethod
+    def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
+             deterministic: bool = False) -> SyncResult:
+        """Every rank calls this with its gradient of the same tensor (same shape and dtype)."""
+
+
+class ExchangeScheme(Scheme):
+    """A scheme that talks to the other ranks itself (every one but auto, which picks one of them).
+
+    `sync` is the same for all: coalesce the input, bind received messages to its device, and
+    answer a one-rank world at once; each scheme writes only `exchange`, the part that talks to
+    the other ranks.
+    """
+
     coalesce_input = True  # a scheme that reads the gradient another way (dense) sets False
 
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
              deterministic: bool = False) -> SyncResult:
-        """Every rank calls this with its gradient of the same tensor (same shape and dtype)."""
         if self.coalesce_input or ch.world_size == 1:
             grad = grad.coalesce(deterministic)
         ch.bind_device(grad.device)

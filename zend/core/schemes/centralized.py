@@ -13,7 +13,7 @@ import torch
 from zend.core.aggregate import sum_keyed
 from zend.core.codec import Encoding, decode_units, encode_units, read_header
 from zend.core.comm import Channel
-from zend.core.schemes.base import Scheme, SyncResult, finish
+from zend.core.schemes.base import ExchangeScheme, SyncResult, finish
 from zend.core.sparse import SparseGrad
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (sorted row indices, values (nnz, row_len))
@@ -36,7 +36,7 @@ def _as_grad(rows: Rows, template: SparseGrad) -> SparseGrad:
     return SparseGrad(keys, values.reshape(-1, *template.row_shape), template.num_rows, template.name, True)
 
 
-class HCScheme(Scheme):
+class HCScheme(ExchangeScheme):
     """Recursive doubling; for n not a power of two the extra ranks fold into partners first.
 
     Partners add the same two operands, so both hold the same bits after every round (float
@@ -74,7 +74,7 @@ class HCScheme(Scheme):
         return SyncResult(_as_grad((keys, finish(values.float(), grad.dtype, average, n)), grad), self.name, ch.traffic)
 
 
-class AGSparseScheme(Scheme):
+class AGSparseScheme(ExchangeScheme):
     """Ring allgather of every rank's COO gradient, then each rank sums all n in rank order."""
 
     name = "agsparse"

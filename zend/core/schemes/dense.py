@@ -6,11 +6,11 @@ import torch
 
 from zend.core.codec import decode_dense, encode_dense
 from zend.core.comm import Channel
-from zend.core.schemes.base import Scheme, SyncResult, finish
+from zend.core.schemes.base import ExchangeScheme, SyncResult, finish
 from zend.core.sparse import SparseGrad
 
 
-class DenseScheme(Scheme):
+class DenseScheme(ExchangeScheme):
     """Reduce-scatter then allgather around a ring, n - 1 steps each.
 
     Chunk c is summed once, along the ring, in the same order on every run, and then copied:

@@ -21,14 +21,14 @@ from zend.core.partition import (
     RowRangePartitioner,
     ZenPartitioner,
 )
-from zend.core.schemes.base import Scheme, SyncResult, finish, imbalance
+from zend.core.schemes.base import ExchangeScheme, SyncResult, finish, imbalance
 from zend.core.sparse import SparseGrad
 
 BOTH = (Encoding.COO, Encoding.BITMAP)
 COO_ONLY = (Encoding.COO,)
 
 
-class ParallelScheme(Scheme):
+class ParallelScheme(ExchangeScheme):
     encodings: tuple[Encoding, ...] = BOTH
 
     def partitioner(self, grad: SparseGrad, world_size: int) -> Partitioner:

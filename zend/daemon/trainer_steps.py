@@ -2,7 +2,7 @@
 
 This is where one gradient enters the daemon (docs/ARCHITECTURE.md): `submit` reads the part
 from the trainer's shared buffer (zero copy, every value checked), files it in the StepTable
-and waits. The last local trainer to arrive runs the node's step (NodeStep) on its own handler
+and waits. The last local trainer to arrive runs the node's step (NodeSteps) on its own handler
 thread; each waiting trainer then copies the result into its own result buffer. Steps whose
 trainers never come, or whose trainer left, fail here with a status every waiter receives.
 """
@@ -22,7 +22,7 @@ from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import JobRegistry, Session, TensorState
 from zend.daemon.metrics import DaemonMetrics
-from zend.daemon.node_step import NodeStep, StepOutcome
+from zend.daemon.node_steps import NodeSteps, StepOutcome
 from zend.daemon.steps import Step, StepKey, StepTable
 from zend.protocol.layout import TensorSpec
 
@@ -39,7 +39,7 @@ BufferLookup = Callable[[str, str], Buffer]  # (session id, buffer id) -> buffer
 BufferRef = tuple[str, int]  # (buffer id, byte offset)
 
 
-class Admission:
+class TrainerSteps:
     """The node's steps as its trainers see them. Refuses steps until `open` gives it the node's
     step runner (the daemon is still joining its cluster) and after `draining` is set."""
 
@@ -48,11 +48,11 @@ class Admission:
         self.step_timeout_s = step_timeout_s
         self.table = StepTable()
         self.draining = False
-        self._node: NodeStep | None = None
+        self._node: NodeSteps | None = None
         self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
         self._lock = threading.Lock()
 
-    def open(self, node: NodeStep) -> None:
+    def open(self, node: NodeSteps) -> None:
         """Start admitting steps, run by `node`."""
         self._node = node
 

@@ -8,7 +8,6 @@ hands to every trainer waiting for the step.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -21,9 +20,9 @@ from zend.core.comm import Channel, CommError, CommTimeout, Communicator
 from zend.core.schemes import SyncResult
 from zend.core.sparse import SparseGrad, SparseGradError
 from zend.daemon import errors as codes
+from zend.daemon.agreement import agree
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import TensorState, job_key
-from zend.daemon.membership import disagreements
 from zend.daemon.steps import StepKey
 from zend.protocol.layout import TensorSpec
 
@@ -64,7 +63,7 @@ def local_sum(spec: TensorSpec, grads: Sequence[SparseGrad]) -> SparseGrad:
     return SparseGrad(indices, values, spec.num_rows, spec.name).coalesce()
 
 
-class NodeStep:
+class NodeSteps:
     """Runs the steps of this node's tensors over the data plane `comm` (one node = one rank)."""
 
     def __init__(self, comm: Communicator, timeout_s: float):
@@ -110,32 +109,6 @@ class NodeStep:
         return StepOutcome(out, result.scheme, result.traffic.bytes_sent, result.traffic.bytes_recv,
                            costmodel.dense_ring_bytes(self.world_size, spec.dense_bytes), grad.nnz,
                            result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases)
-
-
-def agree(ch: Channel, spec: TensorSpec, local_world_size: int) -> None:
-    """Every node sends every other its description of the tensor; any difference fails on every node.
-
-    Each node compares the same n descriptions the same way, so all raise the same error.
-    """
-    ours = {**spec.describe(), "local_world_size": local_world_size}
-    blob = torch.frombuffer(bytearray(json.dumps(ours, sort_keys=True).encode()), dtype=torch.uint8)
-    for j in range(ch.world_size):
-        if j != ch.rank:
-            ch.send(j, "agree", blob)
-    everyone: dict[int, dict[str, object]] = {ch.rank: ours}
-    for j in range(ch.world_size):
-        if j != ch.rank:
-            raw = ch.recv(j, "agree")
-            try:
-                described = json.loads(bytes(raw.numpy()))
-            except ValueError:
-                raise StepError(codes.INVALID_ARGUMENT, f"node {j} sent an unreadable tensor description") from None
-            if not isinstance(described, dict):
-                raise StepError(codes.INVALID_ARGUMENT, f"node {j} sent a tensor description that is no object")
-            everyone[j] = described
-    problem = disagreements(everyone, noun="node")
-    if problem:
-        raise StepError(codes.INVALID_ARGUMENT, f"tensor {spec.name!r} of job {spec.job!r}: {problem}")
 
 
 def as_step_error(exc: Exception, where: str) -> StepError:

@@ -1,5 +1,5 @@
 """The node's step in-process: n nodes of k trainers, each node wired as the daemon wires it
-(JobRegistry, Admission, NodeStep, DaemonMetrics) but over an InProcessCluster, with a dict
+(JobRegistry, TrainerSteps, NodeSteps, DaemonMetrics) but over an InProcessCluster, with a dict
 for its trainers' buffers: no gRPC, no sockets, no processes."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from tests.core.helpers import assert_close_to, reference_sum
 from zend.core import SCHEMES, SparseGrad, make_scheme
 from zend.core.comm import Communicator
 from zend.daemon import errors as codes
-from zend.daemon.admission import Admission
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import JobRegistry, Session
 from zend.daemon.metrics import DaemonMetrics
-from zend.daemon.node_step import NodeStep
+from zend.daemon.node_steps import NodeSteps
+from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.layout import TensorSpec
 from zend.transport.inproc import InProcessCluster
 
@@ -45,8 +45,8 @@ class Node:
         self.registry = JobRegistry(SECRET)
         self.buffers: dict[tuple[str, str], MemoryBuffer] = {}
         self.metrics = DaemonMetrics(comm.rank)
-        self.admission = Admission(self.registry, lambda s, b: self.buffers[(s, b)], self.metrics, timeout_s)
-        self.admission.open(NodeStep(self.metrics.counting(comm), timeout_s))
+        self.trainer_steps = TrainerSteps(self.registry, lambda s, b: self.buffers[(s, b)], self.metrics, timeout_s)
+        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), timeout_s))
         self.scheme = scheme
 
     def trainer(self, local_rank: int, local_world_size: int) -> Session:
@@ -58,7 +58,7 @@ class Node:
         source = self.buffers[(sid, f"in{step}")] = MemoryBuffer(f"in{step}", max(64, spec.nbytes(grad.nnz)))
         result = self.buffers[(sid, "out")] = MemoryBuffer("out", spec.max_bytes)
         spec.write(grad, source.view, 0)
-        outcome = self.admission.submit(session, state.tensor_id, step, (source.buffer_id, 0), grad.nnz,
+        outcome = self.trainer_steps.submit(session, state.tensor_id, step, (source.buffer_id, 0), grad.nnz,
                                         ("out", 0), wait_s=30.0)
         return spec.read(result.view, 0, outcome.grad.nnz, check=False)
 
@@ -174,7 +174,7 @@ def _readings(node: Node) -> Any:
     from zend.daemon.metrics import NodeReadings
 
     return NodeReadings(connected_trainers=node.registry.connected_trainers(),
-                        steps_in_flight=node.admission.in_flight(), peer_up={1: True})
+                        steps_in_flight=node.trainer_steps.in_flight(), peer_up={1: True})
 
 
 def test_a_trainer_that_leaves_fails_its_partners_step_at_once() -> None:
@@ -192,10 +192,10 @@ def test_a_trainer_that_leaves_fails_its_partners_step_at_once() -> None:
 
     t = threading.Thread(target=partner)
     t.start()
-    while node.admission.in_flight() == 0:
+    while node.trainer_steps.in_flight() == 0:
         t.join(0.01)
     node.registry.close_session(leave.session_id)
-    node.admission.session_closed(leave)
+    node.trainer_steps.session_closed(leave)
     t.join(10)
     (err,) = outcome
     assert isinstance(err, StepError) and err.code == codes.UNAVAILABLE and "local rank 1" in err.message
@@ -204,12 +204,12 @@ def test_a_trainer_that_leaves_fails_its_partners_step_at_once() -> None:
 def test_steps_are_refused_until_the_node_has_joined_and_after_it_drains() -> None:
     metrics = DaemonMetrics(0)
     registry = JobRegistry(SECRET)
-    admission = Admission(registry, lambda s, b: MemoryBuffer(b, 4096), metrics, 5.0)
+    steps = TrainerSteps(registry, lambda s, b: MemoryBuffer(b, 4096), metrics, 5.0)
     with pytest.raises(StepError, match="still joining its cluster") as err:
-        admission.check_accepting("sessions")
+        steps.check_accepting("sessions")
     assert err.value.code == codes.UNAVAILABLE
-    admission.open(NodeStep(InProcessCluster(1).communicator(0), 5.0))
-    admission.check_accepting("sessions")
-    assert admission.drain(1.0) == (0, 0)
+    steps.open(NodeSteps(InProcessCluster(1).communicator(0), 5.0))
+    steps.check_accepting("sessions")
+    assert steps.drain(1.0) == (0, 0)
     with pytest.raises(StepError, match="draining: no new steps"):
-        admission.check_accepting("steps")
+        steps.check_accepting("steps")
