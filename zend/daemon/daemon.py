@@ -34,7 +34,7 @@ from zend.daemon.settings import Settings
 from zend.daemon.status import NodeStatus, PeerStatus, SessionStatus, TensorStatus
 from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
-from zend.protocol.version import DAEMON_VERSION
+from zend.protocol.version import daemon_version
 from zend.transport import choose_transport, create, parse_uri
 from zend.transport.link_transport import LinkTransport
 
@@ -209,7 +209,7 @@ class Daemon:
                         for t in self.registry.tensor_list())
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
                           tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.trainer_steps.draining,
-                          DAEMON_VERSION, self.buffers.pool_bytes, peers, sessions, tensors)
+                          daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors)
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str) -> SessionInfo | None:

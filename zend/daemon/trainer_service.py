@@ -24,7 +24,7 @@ from zend.daemon.membership import Membership
 from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
 from zend.protocol.layout import TensorSpec
-from zend.protocol.version import DAEMON_VERSION
+from zend.protocol.version import daemon_version
 
 log = logging.getLogger("zend.service")
 
@@ -70,7 +70,7 @@ class TrainerService(pb_grpc.TrainerServicer):
                                           "pid": s.pid})
         m = self.membership()
         return pb.OpenSessionReply(session_id=s.session_id, buffer_socket=self.buffer_socket, node_rank=m.rank,
-                                   node_count=m.world_size, generation=m.generation, daemon_version=DAEMON_VERSION)
+                                   node_count=m.world_size, generation=m.generation, daemon_version=daemon_version())
 
     @maps_errors
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
