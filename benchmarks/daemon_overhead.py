@@ -312,7 +312,7 @@ class Worker:
 
 def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Both modes, size by size; within a size, step by step (alternating which mode goes first)."""
-    from zend.cluster import LocalCluster
+    from zend.cluster.local import LocalCluster
 
     n = args.nodes
     me = [sys.executable, str(Path(__file__).resolve())]

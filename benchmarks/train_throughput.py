@@ -29,7 +29,7 @@ RUNS = {"zen": ["--backend", "zen"], "zen+topk": ["--backend", "zen", "--dense",
 
 
 def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path, port: int) -> list[dict]:
-    from zend.cluster import LocalCluster
+    from zend.cluster.local import LocalCluster
 
     n = args.nodes
     model = ["--steps", str(args.steps), "--json", "--dim", str(args.dim), "--layers", "1", "--context", "64",

@@ -29,7 +29,7 @@ def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
 
 def launch(script: str, args: argparse.Namespace, job: str) -> int:
     """A local zend cluster (for --backend zen) and NODES x TRAINERS ranks of `script`."""
-    from zend.cluster import run_local_job
+    from zend.cluster.launcher import run_local_job
 
     forward = [a for a in sys.argv[1:] if a != "--launch"]
     return run_local_job([sys.executable, script, *forward], args.nodes, args.trainers, job,

@@ -15,14 +15,14 @@ import torch
 import zen
 
 from tests.daemon.conftest import run_all
-from zend.cluster import free_port
+from zend.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300) -> list[str]:  # type: ignore[no-untyped-def]
     """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones); return their outputs."""
-    from zend.cluster import rank_env
+    from zend.cluster.launcher import rank_env
 
     port = free_port()
     procs = []
@@ -46,7 +46,7 @@ def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeou
 
 @pytest.fixture(scope="module")
 def cluster2(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from zend.cluster import LocalCluster
+    from zend.cluster.local import LocalCluster
 
     with LocalCluster(2, tmp_path_factory.mktemp("zen2"), extra=["--log-format", "text", "--step-timeout-s",
                                                                  "30"]) as c:
@@ -103,7 +103,7 @@ def test_daemon_killed_mid_step_raises_daemon_unavailable(fresh_cluster):
 
 def test_gpt_example_same_loss_with_zen_and_with_ddp_gloo(cluster2):
     """Example (a), 4 ranks (2 nodes x 2), 50 steps, same seed: the loss at every step agrees."""
-    from zend.cluster import LocalCluster
+    from zend.cluster.local import LocalCluster
 
     args = ["--steps", "50", "--dim", "32", "--layers", "1", "--heads", "2", "--context", "32", "--batch", "2",
             "--json"]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.client.test_client import ROOT, launch_ranks
-from zend.cluster import LocalCluster
+from zend.cluster.local import LocalCluster
 
 STEPS = 50
 RTOL = 1e-4  # relative, per step: both sum the same fp32 gradients, in different orders

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from zend.cluster import LocalCluster
+from zend.cluster.local import LocalCluster
 
 
 def run_all(bodies: list[Callable[[], Any]], timeout_s: float = 120.0) -> list[Any]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from zend.cluster import free_port
+from zend.cluster.local import free_port
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
 READY_TIMEOUT_S = 60.0

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import pytest
 
-from zend.cluster import free_port
+from zend.cluster.local import free_port
 from zend.daemon.membership import (
     MembershipError,
     RendezvousTimeoutError,

@@ -210,6 +210,7 @@ def test_steps_are_refused_until_the_node_has_joined_and_after_it_drains() -> No
     assert err.value.code == codes.UNAVAILABLE
     steps.open(NodeSteps(InProcessCluster(1).communicator(0), 5.0))
     steps.check_accepting("sessions")
-    assert steps.drain(1.0) == (0, 0)
+    steps.draining = True
+    assert steps.wait_in_flight(1.0) == (0, 0)
     with pytest.raises(StepError, match="draining: no new steps"):
         steps.check_accepting("steps")

@@ -26,9 +26,6 @@ _HEADER = struct.Struct("<2sBBBB2xI4xQQQ")  # magic, version, kind, dtype, index
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 40
 
-_DTYPE_CODES = {t.torch: t.wire_code for t in dtypes.VALUE_TYPES}
-_CODE_DTYPES = {t.wire_code: t.torch for t in dtypes.VALUE_TYPES}
-
 
 class CodecError(ValueError):
     """A message that does not decode: names the field and the value."""
@@ -76,7 +73,8 @@ def _pack(kind: Encoding, dtype: torch.dtype, index_width: int, unit_width: int,
           aux: int, sections: list[torch.Tensor], device: torch.device,
           first_as: torch.dtype | None = None) -> torch.Tensor:
     """One buffer, each section copied straight into its place; `first_as` narrows the first."""
-    header = _HEADER.pack(MAGIC, VERSION, kind, _DTYPE_CODES[dtype], index_width, unit_width, count, domain, aux)
+    code = dtypes.BY_TORCH[dtype].wire_code
+    header = _HEADER.pack(MAGIC, VERSION, kind, code, index_width, unit_width, count, domain, aux)
     types = [first_as or sections[0].dtype] + [s.dtype for s in sections[1:]]
     sizes = [s.numel() * torch.empty(0, dtype=t).element_size() for s, t in zip(sections, types, strict=True)]
     out = torch.empty(HEADER_BYTES + sum(sizes), dtype=torch.uint8, device=device)
@@ -127,9 +125,9 @@ def read_header(buf: torch.Tensor) -> Header:
         raise CodecError(f"codec version {version} not supported (this side speaks {VERSION})")
     if kind not in Encoding._value2member_map_:
         raise CodecError(f"unknown encoding {kind}")
-    if dtype_code not in _CODE_DTYPES:
+    if dtype_code not in dtypes.BY_WIRE_CODE:
         raise CodecError(f"unknown dtype code {dtype_code}")
-    header = Header(Encoding(kind), _CODE_DTYPES[dtype_code], index_width, unit_width, count, domain, aux)
+    header = Header(Encoding(kind), dtypes.BY_WIRE_CODE[dtype_code].torch, index_width, unit_width, count, domain, aux)
     expected = encoded_size(header.kind, count, unit_width, domain, header.dtype)
     if header.kind is Encoding.COO and index_width != _index_width(domain):
         raise CodecError(f"index width {index_width} does not match domain {domain}")

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from concurrent import futures
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -36,7 +37,7 @@ from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.version import daemon_version
 from zend.transport import choose_transport, create, parse_uri
-from zend.transport.link_transport import LinkTransport
+from zend.transport.link_transport import LinkTransport, PeerState
 
 log = logging.getLogger("zend.daemon")
 MAX_CONTROL_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused by gRPC
@@ -195,17 +196,14 @@ class Daemon:
     def status(self) -> NodeStatus:
         """The node as `zend status` shows it."""
         m, links = self.membership, {p.rank: p for p in (self.transport.peer_states() if self.transport else [])}
-        peers = tuple(PeerStatus(j, uri, links[j].connected if j in links else False,
-                                 (links[j].error or "") if j in links else "")
+        down = PeerState(-1, connected=False, error=None)  # no data plane (yet)
+        peers = tuple(PeerStatus(j, uri, links.get(j, down).connected, links.get(j, down).error or "")
                       for j, uri in sorted(m.peers.items()) if j != m.rank)
         sessions = tuple(SessionStatus(s.session_id[:8], s.job, s.local_rank, s.pid,
                                        self.buffers.session_bytes(s.session_id) if s.claimed else 0)
                          for s in self.registry.session_list())
         tensors = tuple(TensorStatus(t.spec.job, t.spec.name, t.tensor_id, t.spec.shape, t.spec.dtype_name,
-                                     t.spec.layout, t.stats.scheme or self.settings.scheme, t.stats.steps,
-                                     t.stats.last_step, t.stats.last_sync_seconds, t.stats.last_nnz_in,
-                                     t.stats.last_nnz_out, t.stats.last_bytes_sent, t.stats.last_push_imbalance,
-                                     t.stats.last_pull_imbalance)
+                                     t.spec.layout, t.stats.scheme or self.settings.scheme, replace(t.stats))
                         for t in self.registry.tensor_list())
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
                           tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.trainer_steps.draining,
@@ -237,7 +235,7 @@ class Daemon:
         """Refuse new steps and sessions; wait for the steps in flight. Returns (completed, abandoned)."""
         self.trainer_steps.draining = True  # before health says so: nothing new slips in between
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        completed, abandoned = self.trainer_steps.drain(timeout_s)
+        completed, abandoned = self.trainer_steps.wait_in_flight(timeout_s)
         log.info("drained", extra={"event": "drain", "completed": completed, "abandoned": abandoned})
         return completed, abandoned
 

@@ -13,10 +13,13 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zend.daemon.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, StepError
 from zend.protocol.layout import TensorSpec
+
+if TYPE_CHECKING:
+    from zend.daemon.node_steps import StepOutcome
 
 MAX_JOB_ID = 128
 
@@ -59,11 +62,12 @@ class TensorStats:
     last_push_imbalance: float = 0.0
     last_pull_imbalance: float = 0.0
 
-    def record(self, *, step: int, scheme: str, seconds: float, nnz_in: int, nnz_out: int, bytes_sent: int,
-               push_imbalance: float, pull_imbalance: float) -> None:
-        self.scheme, self.steps, self.last_step, self.last_sync_seconds = scheme, self.steps + 1, step, seconds
-        self.last_nnz_in, self.last_nnz_out, self.last_bytes_sent = nnz_in, nnz_out, bytes_sent
-        self.last_push_imbalance, self.last_pull_imbalance = push_imbalance, pull_imbalance
+    def record(self, step: int, outcome: StepOutcome) -> None:
+        self.scheme, self.steps, self.last_step, self.last_sync_seconds = (outcome.scheme, self.steps + 1, step,
+                                                                           outcome.seconds)
+        self.last_nnz_in, self.last_nnz_out, self.last_bytes_sent = (outcome.nnz_in, outcome.grad.nnz,
+                                                                     outcome.bytes_sent)
+        self.last_push_imbalance, self.last_pull_imbalance = outcome.push_load_imbalance, outcome.pull_imbalance
 
 
 @dataclass

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -23,6 +22,8 @@ from prometheus_client.registry import Collector
 from zend.core.comm import Communicator
 
 if TYPE_CHECKING:
+    import torch
+
     from zend.daemon.node_steps import StepOutcome
 
 PHASES = ("wait", "local_sum", "agree", "exchange", "deliver", "total")

@@ -48,9 +48,10 @@ def status_reply(s: NodeStatus) -> Any:
         reply.sessions.add(session_id=session.session_id, job_id=session.job, local_rank=session.local_rank,
                            pid=session.pid, buffer_bytes=session.buffer_bytes)
     for t in s.tensors:
+        st = t.stats
         reply.tensors.add(job_id=t.job, name=t.name, tensor_id=t.tensor_id, shape=list(t.shape),
                           dtype=DTYPE_TO_PROTO[t.dtype_name], layout=LAYOUT_TO_PROTO[t.layout], scheme=t.scheme,
-                          last_step=t.last_step, steps=t.steps, last_sync_seconds=t.last_sync_seconds,
-                          last_nnz_in=t.last_nnz_in, last_nnz_out=t.last_nnz_out, last_bytes_sent=t.last_bytes_sent,
-                          last_push_imbalance=t.last_push_imbalance, last_pull_imbalance=t.last_pull_imbalance)
+                          last_step=st.last_step, steps=st.steps, last_sync_seconds=st.last_sync_seconds,
+                          last_nnz_in=st.last_nnz_in, last_nnz_out=st.last_nnz_out, last_bytes_sent=st.last_bytes_sent,
+                          last_push_imbalance=st.last_push_imbalance, last_pull_imbalance=st.last_pull_imbalance)
     return reply

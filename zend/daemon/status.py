@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zend.daemon.jobs import TensorStats
+
 
 @dataclass(frozen=True)
 class PeerStatus:
@@ -31,14 +33,7 @@ class TensorStatus:
     dtype_name: str
     layout: str
     scheme: str  # the scheme its last step ran, or the configured one before its first
-    steps: int
-    last_step: int
-    last_sync_seconds: float
-    last_nnz_in: int
-    last_nnz_out: int
-    last_bytes_sent: int
-    last_push_imbalance: float
-    last_pull_imbalance: float
+    stats: TensorStats  # a copy, taken with the snapshot
 
 
 @dataclass(frozen=True)

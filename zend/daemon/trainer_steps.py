@@ -165,9 +165,7 @@ class TrainerSteps:
     def _record(self, state: TensorState, key: StepKey, outcome: StepOutcome) -> None:
         spec = state.spec
         self.metrics.record_step(spec.job, spec.name, outcome)
-        state.stats.record(step=key.step, scheme=outcome.scheme, seconds=outcome.seconds, nnz_in=outcome.nnz_in,
-                           nnz_out=outcome.grad.nnz, bytes_sent=outcome.bytes_sent,
-                           push_imbalance=outcome.push_load_imbalance, pull_imbalance=outcome.pull_imbalance)
+        state.stats.record(key.step, outcome)
         log.info("step done", extra={"event": "step_done", "job": spec.job, "tensor": spec.name, "step": key.step,
                                      "scheme": outcome.scheme, "nnz_in": outcome.nnz_in,
                                      "nnz_out": outcome.grad.nnz, "bytes_sent": outcome.bytes_sent,
@@ -195,9 +193,8 @@ class TrainerSteps:
             self.metrics.count_error(codes.DEADLINE_EXCEEDED)
             log.warning("step expired", extra={"event": "step_expired", "job": step.key.job, "step": step.key.step})
 
-    def drain(self, timeout_s: float) -> tuple[int, int]:
-        """Refuse new steps; wait for those in flight. Returns (completed, abandoned)."""
-        self.draining = True
+    def wait_in_flight(self, timeout_s: float) -> tuple[int, int]:
+        """Wait for the steps in flight (a drain: `draining` is set). Returns (completed, abandoned)."""
         pending = self.table.open_steps()
         deadline = time.monotonic() + timeout_s
         for step in pending:

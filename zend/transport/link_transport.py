@@ -30,6 +30,7 @@ from zend.transport.receive_pool import ReceivePool
 
 log = logging.getLogger("zend.transport")
 
+
 @dataclass
 class Peer:
     rank: int
