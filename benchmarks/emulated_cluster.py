@@ -8,7 +8,11 @@ allreduce) and as a dense tensor. Median of --steps steps after one warm-up. Als
 scheme's bottleneck bytes divided by the link rate (the time the wire alone needs).
 Needs root and iproute2.
 
-    python benchmarks/emulated_cluster.py --nodes 4,8 --rate-mbit 50 [--transport tcp] [--seqs 8]
+    python benchmarks/emulated_cluster.py --nodes 2,4,8 --rate-mbit 50,1000,10000 [--transport tcp|ucx]
+        [--dim 64 --seqs 8 | --dim 256 --seqs 32 | --workload topk] [--json]
+
+`vs fastest` is each row's time over the fastest of our schemes in the same run (auto's target:
+within 1.05). auto runs its profile and trials before the timed steps; its choice is shown.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from zend.cluster.netns import EmulatedCluster
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: int) -> dict[str, dict[str, float]]:
+def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: int, workload: str = "rows",
+        schemes: str | None = None) -> dict[str, dict[str, float]]:
     env = dict(os.environ, ZEN_CLUSTER_SECRET=secrets.token_hex(16), UCX_TLS="tcp", PYTHONPATH=str(ROOT))
     with EmulatedCluster(n, rate_mbit=rate_mbit) as cluster:
         procs = []
@@ -34,7 +39,7 @@ def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: in
             argv = [sys.executable, str(ROOT / "benchmarks" / "emulated_worker.py"), "--uri",
                     f"{transport}://{cluster.address(r)}:0", "--rank", str(r), "--world-size", str(n),
                     "--master", f"{cluster.address(0)}:29612", "--dim", str(dim), "--steps", str(steps),
-                    "--seqs", str(seqs)]
+                    "--seqs", str(seqs), "--workload", workload, *(["--schemes", schemes] if schemes else [])]
             procs.append(cluster.popen(r, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         ports = []
         for proc in procs:
@@ -53,32 +58,57 @@ def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: in
                 line = proc.stdout.readline()
             reports.append(json.loads(line))
     # the slowest rank decides; bytes are per rank already maxima over steps
-    return {k: {"seconds": max(r[k]["seconds"] for r in reports),
-                "bottleneck": max(max(r[k]["sent"], r[k]["recv"]) for r in reports)} for k in reports[0]}
+    out: dict[str, dict[str, float]] = {
+        k: {"seconds": max(r[k]["seconds"] for r in reports),
+            "bottleneck": max(max(r[k]["sent"], r[k]["recv"]) for r in reports)} for k in reports[0]}
+    if "auto" in reports[0]:
+        out["auto"]["choice"] = reports[0]["auto"]["choice"]  # the same on every rank
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="4,8")
-    p.add_argument("--rate-mbit", type=float, default=50.0)
+    p.add_argument("--rate-mbit", default="50", help="one rate or a comma-separated list, e.g. 1000,10000")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seqs", type=int, default=8, help="sequences of 512 tokens per rank and step")
+    p.add_argument("--workload", default="rows", choices=["rows", "topk"],
+                   help="rows: GPT-2 embedding rows; topk: 1%% of a 25M-element dense gradient")
+    p.add_argument("--schemes", default=None, help="comma-separated subset (default: all, and auto)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     args = p.parse_args()
-    rate = args.rate_mbit * 1e6 / 8
-    print(f"emulated cluster, {args.rate_mbit:g} Mbit/s links, transport {args.transport}, GPT-2 trace "
-          f"({args.seqs}x512 tokens per rank), rows of {args.dim} fp32, median of {args.steps} steps")
-    print(f"{'n':>3} {'scheme':<12} {'time ms':>9} {'wire ms':>9} {'time/wire':>9} {'vs gloo sparse':>15} "
-          f"{'vs gloo dense':>14}")
-    for n in (int(x) for x in args.nodes.split(",")):
-        res = run(n, args.rate_mbit, args.transport, args.dim, args.steps, args.seqs)
-        gs, gd = res["gloo_sparse"]["seconds"], res["gloo_dense"]["seconds"]
-        for name, r in res.items():
-            wire = r["bottleneck"] / rate if r["bottleneck"] else 0.0
-            ratio = f"{r['seconds'] / wire:9.2f}" if wire else f"{'-':>9}"
-            print(f"{n:>3} {name:<12} {r['seconds'] * 1e3:9.1f} {wire * 1e3:9.1f} {ratio} "
-                  f"{gs / r['seconds']:14.2f}x {gd / r['seconds']:13.2f}x")
+    rows = []
+    for rate_mbit in (float(x) for x in args.rate_mbit.split(",")):
+        rate = rate_mbit * 1e6 / 8
+        for n in (int(x) for x in args.nodes.split(",")):
+            res = run(n, rate_mbit, args.transport, args.dim, args.steps, args.seqs, args.workload, args.schemes)
+            gs, gd = res["gloo_sparse"]["seconds"], res["gloo_dense"]["seconds"]
+            ours = {k: v["seconds"] for k, v in res.items() if not k.startswith("gloo") and k != "auto"}
+            fastest = min(ours, key=lambda k: ours[k]) if ours else ""
+            for name, r in res.items():
+                wire = r["bottleneck"] / rate if r["bottleneck"] else 0.0
+                rows.append({"rate_mbit": rate_mbit, "n": n, "scheme": name, "ms": r["seconds"] * 1e3,
+                             "wire_ms": wire * 1e3, "time_over_wire": r["seconds"] / wire if wire else None,
+                             "vs_gloo_sparse": gs / r["seconds"], "vs_gloo_dense": gd / r["seconds"],
+                             "vs_fastest": r["seconds"] / ours[fastest] if fastest else None,
+                             "choice": r.get("choice")})
+    if args.json:
+        print(json.dumps({"transport": args.transport, "workload": args.workload, "dim": args.dim,
+                          "seqs": args.seqs, "steps": args.steps, "rows": rows}))
+        return
+    what = (f"GPT-2 trace ({args.seqs}x512 tokens per rank), rows of {args.dim} fp32" if args.workload == "rows"
+            else "top-k 1% of a 25M-element fp32 gradient")
+    print(f"emulated cluster, transport {args.transport}, {what}, median of {args.steps} steps")
+    print(f"{'Mbit/s':>7} {'n':>3} {'scheme':<12} {'time ms':>9} {'wire ms':>9} {'time/wire':>9} "
+          f"{'vs fastest':>10} {'vs gloo sparse':>15} {'vs gloo dense':>14}")
+    for r in rows:
+        ratio = f"{r['time_over_wire']:9.2f}" if r["time_over_wire"] else f"{'-':>9}"
+        fast = f"{r['vs_fastest']:10.2f}" if r["vs_fastest"] else f"{'-':>10}"
+        label = r["scheme"] + (f" ({r['choice']})" if r["choice"] else "")
+        print(f"{r['rate_mbit']:>7g} {r['n']:>3} {label:<12} {r['ms']:9.1f} {r['wire_ms']:9.1f} {ratio} {fast} "
+              f"{r['vs_gloo_sparse']:14.2f}x {r['vs_gloo_dense']:13.2f}x")
 
 
 if __name__ == "__main__":

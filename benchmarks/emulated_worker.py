@@ -13,10 +13,22 @@ import torch.distributed as dist
 
 from zend.core import Channel, make_scheme
 from zend.core.comm import barrier
+from zend.core.schemes.auto import CANDIDATES, AutoScheme
+from zend.core.sparse import SparseGrad
+from zend.core.topk import TopKCompressor
 from zend.daemon.secret import load_secret
 from zend.runtime.tuning import tune_allocator
 from zend.simulator.traces import TokenTrace
 from zend.transport import create
+
+
+def topk_grad(rank: int, step: int, elements: int, density: float = 0.01) -> SparseGrad:
+    """Top-k (DGC style) of a dense gradient: a signal shared by the ranks plus each rank's own
+    noise, so that the ranks' top 1% overlap partly, as compressed gradients of one model do."""
+    shared = torch.Generator().manual_seed(step)
+    own = torch.Generator().manual_seed(1_000_003 * (rank + 1) + step)
+    dense = torch.randn(elements, generator=shared).add_(torch.randn(elements, generator=own))
+    return TopKCompressor(density).compress("topk", dense)
 
 
 def main() -> None:
@@ -25,7 +37,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master", required=True, help="host:port for torch.distributed gloo")
-    p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense")
+    p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense,auto")
+    p.add_argument("--workload", default="rows", choices=["rows", "topk"])
+    p.add_argument("--topk-elements", type=int, default=25_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seqs", type=int, default=8, help="sequences per rank and step")
@@ -33,8 +47,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     tune_allocator()
-    trace = TokenTrace.default(seqs=args.seqs, seq_len=args.seq_len)
-    grads = [trace.embedding_grad(args.rank, s, args.dim) for s in range(args.steps + 1)]
+    if args.workload == "rows":
+        trace = TokenTrace.default(seqs=args.seqs, seq_len=args.seq_len)
+        grads = [trace.embedding_grad(args.rank, s, args.dim) for s in range(args.steps + 1)]
+    else:
+        grads = [topk_grad(args.rank, s, args.topk_elements) for s in range(args.steps + 1)]
     transport = create(args.uri, args.rank, args.world_size, cluster_id="bench", secret=load_secret(), timeout_s=120)
     print(f"PORT {transport.address[1]}", flush=True)
     peers = {int(k): (v[0], int(v[1])) for k, v in json.loads(sys.stdin.readline()).items()}
@@ -43,6 +60,10 @@ def main() -> None:
     for name in args.schemes.split(","):
         scheme = make_scheme(name, seed=1)
         times, sent, recv = [], [], []
+        if isinstance(scheme, AutoScheme):  # its profile and trials first: the table shows its choice
+            for i in range(1 + scheme.trials * len(CANDIDATES)):
+                barrier(transport, f"w/{name}/{i}")
+                scheme.sync(Channel(transport, f"{name}/w{i}", timeout_s=120), grads[i % len(grads)])
         for step, grad in enumerate(grads):  # step 0 warms up
             barrier(transport, f"b/{name}/{step}")
             start = time.perf_counter()
@@ -52,6 +73,8 @@ def main() -> None:
                 sent.append(r.traffic.bytes_sent)
                 recv.append(r.traffic.bytes_recv)
         results[name] = {"seconds": sorted(times)[len(times) // 2], "sent": max(sent), "recv": max(recv)}
+        if isinstance(scheme, AutoScheme):
+            results[name]["choice"] = scheme.choice  # type: ignore[assignment]
     host, port = args.master.rsplit(":", 1)
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,

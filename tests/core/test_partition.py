@@ -1,3 +1,6 @@
+import contextlib
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +116,49 @@ def test_slices_divide_the_row():
     assert ZenPartitioner(10, 7, 16, 0).slices == 1
     assert ZenPartitioner(10, 64, 128, 0, min_slice_width=8).slices == 8
     np.testing.assert_equal(ZenPartitioner(10, 64, 128, 0).unit_width, 8)
+
+
+@contextlib.contextmanager
+def _kernels_off():
+    from zend.core import kernels
+
+    old = os.environ.get(kernels.DISABLE_ENV)
+    os.environ[kernels.DISABLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[kernels.DISABLE_ENV]
+        else:
+            os.environ[kernels.DISABLE_ENV] = old
+
+
+@given(sparse_grads(), st.integers(2, 9), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_compiled_assembly_matches_the_torch_twin_bit_for_bit(grad, n, dtype):
+    from zend.core import kernels
+
+    assert kernels.available()  # numba is a dependency: the compiled path must be the one under test
+    grad = grad.with_values(grad.values.to(dtype))
+    parts = ZenPartitioner(grad.num_rows, grad.row_len, n, seed=5)
+    split = parts.split(grad)
+    compiled = parts.assemble(split, grad)
+    with _kernels_off():
+        assert not kernels.available()
+        twin = parts.assemble(split, grad)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(compiled.indices, twin.indices) and torch.equal(compiled.indices, grad.indices.long())
+    assert torch.equal(compiled.values.view(bits), twin.values.view(bits))
+    assert torch.equal(compiled.values.view(bits), grad.values.view(bits))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_pulled_key_past_the_last_row_is_refused(compiled):
+    from zend.core.partition import Part
+
+    parts = ZenPartitioner(num_rows=10, row_len=1, num_parts=4, seed=0)  # blocks of 4: rows 10 and 11 do not exist
+    # key 2 is block 2 (rows 8-11); the rotation sends it to a different row in each partition
+    j = next(j for j in range(4) if int(parts.rows_of(j, torch.tensor([2]))[0][0]) >= 10)
+    empty = Part(torch.tensor([], dtype=torch.int64), torch.ones(0, 1))
+    pulled = [Part(torch.tensor([2]), torch.ones(1, 1)) if i == j else empty for i in range(4)]
+    with contextlib.nullcontext() if compiled else _kernels_off(), pytest.raises(ValueError, match="outside the"):
+        parts.assemble(pulled, SparseGrad.empty(10))

@@ -88,8 +88,8 @@ def test_dense_ring_moves_the_textbook_volume():
     grads = [SparseGrad(torch.tensor([0]), torch.ones(1, 10), 100, "g") for _ in range(4)]
     r = run_scheme("dense", grads)[0]
     payload = 2 * 3 / 4 * 100 * 10 * 4  # 2 (n-1)/n * elements * bytes
-    headers = 2 * 3 * 40
-    assert r.traffic.bytes_sent == payload + headers
+    assert r.traffic.bytes_sent == payload  # raw pieces: no header, both ends know the sizes
+    assert r.traffic.phases["reduce_scatter"].messages_sent == 3
 
 
 def test_zen_reports_imbalance_and_cluster_wide_profile():
@@ -102,12 +102,22 @@ def test_zen_reports_imbalance_and_cluster_wide_profile():
     assert len({r.pull_imbalance for r in results}) == 1  # cluster-wide, same everywhere
 
 
-def _auto_run(grads_per_step, reprofile_every):
+class TimedAuto(AutoScheme):
+    """auto with a fake clock: each scheme takes the time the test says, plus a per-rank skew."""
+
+    def __init__(self, times, skew=0.0, **options):
+        super().__init__(seed=1, **options)
+        self.times, self.skew = times, skew
+
+    def timed(self, name, run):
+        return run(), self.times[name] + self.skew
+
+
+def _auto_run(grads_per_step, schemes):
     from zend.core import Channel
     from zend.transport.inproc import InProcessCluster
 
     n = len(grads_per_step[0])
-    schemes = [AutoScheme(seed=1, reprofile_every=reprofile_every) for _ in range(n)]
     ran = []
     for step, grads in enumerate(grads_per_step):
         results = InProcessCluster(n).run(
@@ -115,20 +125,62 @@ def _auto_run(grads_per_step, reprofile_every):
         assert len({r.scheme for r in results}) == 1  # every rank made the same choice
         for r, g in zip(results, [reference_sum(grads)] * n, strict=True):
             assert_close_to(r.to_dense(), g, torch.float32, n)
-        ran.append(results[0].scheme)
+        ran.append(results[0].scheme.removeprefix("auto:"))
     return ran
 
 
-def test_auto_profiles_then_picks_and_reprofiles_when_density_drifts():
+def _sparse_and_dense(n=4, rows=4000):
     torch.manual_seed(3)
-    n, rows = 4, 4000
     sparse = [SparseGrad(torch.randint(0, rows, (20,)), torch.randn(20, 8), rows, "g") for _ in range(n)]
     dense = [SparseGrad(torch.arange(rows), torch.randn(rows, 8), rows, "g") for _ in range(n)]
-    ran = _auto_run([sparse, sparse, sparse, dense, dense, dense], reprofile_every=3)
-    assert ran[0] == "auto:zen"  # first sync profiles
-    assert ran[1] in ("auto:zen", "auto:hc") and ran[2] == ran[1]
-    assert ran[3] == "auto:zen"  # re-profile sees the dense gradient...
-    assert ran[4] == ran[5] == "auto:dense"  # ...and falls back to dense, which is cheaper
+    return sparse, dense
+
+
+def test_auto_times_the_candidates_then_keeps_the_fastest_on_every_rank():
+    sparse, _ = _sparse_and_dense()
+    times = {"zen": 3.0, "hc": 2.0, "agsparse": 1.0, "sparse_ps": 4.0, "dense": 0.5}
+    # ranks disagree on the times (rank 3 is slow): the max over ranks decides, the same everywhere
+    schemes = [TimedAuto(times, skew=5.0 * (rank == 3), reprofile_every=100, trials=1) for rank in range(4)]
+    ran = _auto_run([sparse] * 7, schemes)
+    assert ran[0] == "zen"  # the profile
+    assert "dense" not in ran  # pruned: far more bytes than the sparse schemes on a sparse tensor
+    assert sorted(ran[1:4]) == ["agsparse", "hc", "sparse_ps"]  # one trial each
+    assert ran[4:] == ["agsparse"] * 3  # the fastest measured
+    assert all(s.agreed == schemes[0].agreed for s in schemes)
+    assert schemes[0].agreed["agsparse"] == 6.0  # rank 3's 1.0 + 5.0
+
+
+def test_auto_reprofiles_and_follows_the_density():
+    sparse, dense = _sparse_and_dense()
+    times = {"zen": 3.0, "hc": 2.0, "agsparse": 1.0, "sparse_ps": 4.0, "dense": 0.5}
+    schemes = [TimedAuto(times, reprofile_every=5, trials=1) for _ in range(4)]
+    ran = _auto_run([sparse] * 5 + [dense] * 7, schemes)
+    assert ran[4] == "agsparse"
+    assert ran[5] == "zen"  # re-profile sees the dense gradient: dense is a candidate now
+    assert ran[6:9] == ["hc", "agsparse", "dense"]  # sparse_ps was more than 2x the best last time
+    assert ran[9] == "dense"
+    assert ran[10:] == ["zen", "agsparse"]  # the next profile tries only contenders within 2x of dense
+
+
+def test_auto_with_deterministic_picks_by_bytes_and_never_times():
+    sparse, dense = _sparse_and_dense()
+
+    class NoClock(TimedAuto):
+        def timed(self, name, run):
+            assert not self.plan, "a trial ran under deterministic"
+            return run(), 0.0
+
+    schemes = [NoClock({}, reprofile_every=3) for _ in range(4)]
+    from zend.core import Channel
+    from zend.transport.inproc import InProcessCluster
+
+    ran = []
+    for step, grads in enumerate([sparse] * 3 + [dense] * 3):
+        results = InProcessCluster(4).run(lambda rank, comm, grads=grads, step=step: schemes[rank].sync(
+            Channel(comm, f"s{step}"), grads[rank], deterministic=True))
+        ran.append(results[0].scheme)
+    assert ran[0] == "auto:zen" and ran[1] == ran[2] and ran[1] in ("auto:zen", "auto:hc")
+    assert ran[3] == "auto:zen" and ran[4] == ran[5] == "auto:dense"
 
 
 def test_unknown_scheme_is_named():
@@ -136,3 +188,21 @@ def test_unknown_scheme_is_named():
 
     with pytest.raises(ValueError, match="unknown scheme 'allreduce'"):
         make_scheme("allreduce")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("average", [False, True])
+def test_dense_ring_in_many_pieces_is_the_same_sum(monkeypatch, dtype, average):
+    """Pipelined pieces (here 64 bytes, so chunks of uneven piece counts' sizes) change no bit."""
+    import zend.core.schemes.dense as dense_scheme
+
+    torch.manual_seed(3)
+    grads = [SparseGrad(torch.randint(0, 301, (50,)), torch.randn(50, 3).to(dtype), 301, "g") for _ in range(5)]
+    whole = run_scheme("dense", grads, average=average)
+    monkeypatch.setattr(dense_scheme, "PIECE_BYTES", 64)
+    pieces = run_scheme("dense", grads, average=average)
+    assert pieces[0].traffic.phases["reduce_scatter"].messages_sent > 4 * whole[0].traffic.phases[
+        "reduce_scatter"].messages_sent
+    for a, b in zip(whole, pieces, strict=True):
+        assert torch.equal(a.to_dense(), b.to_dense())
+    assert_close_to(pieces[0].to_dense(), reference_sum(grads, average), dtype, len(grads))

@@ -76,10 +76,25 @@ def bytes_dense(p: Profile) -> float:
     return float(dense_ring_bytes(p.world_size, p.num_rows * p.row_bytes))
 
 
+def bytes_allgather(p: Profile) -> float:
+    """Ring allgather of every rank's COO (agsparse, gloo): each rank receives n - 1 gradients."""
+    return (p.world_size - 1) * p.mean_rows * (p.index_bytes + p.row_bytes)
+
+
+def bytes_range_parallel(p: Profile) -> float:
+    """Even ranges, COO both ways (sparse_ps), if perfectly balanced: a lower bound, since skew
+    only adds to its busiest link."""
+    n = p.world_size
+    if n == 1:
+        return 0.0
+    return (n - 1) / n * (p.mean_rows + p.union_rows) * (p.index_bytes + p.row_bytes)
+
+
 COSTS = {"zen": bytes_balanced_parallel, "hc": bytes_hierarchical, "dense": bytes_dense}
+BYTES = {**COSTS, "agsparse": bytes_allgather, "sparse_ps": bytes_range_parallel}  # every scheme auto may try
 
 
 def choose(p: Profile) -> tuple[str, dict[str, float]]:
-    """The scheme with the fewest bytes (ties go to the earlier of zen, hc, dense)."""
+    """The scheme with the fewest bytes among zen, hc and dense (ties go to the earlier)."""
     costs = {name: fn(p) for name, fn in COSTS.items()}
     return min(costs, key=lambda k: costs[k]), costs

@@ -1,50 +1,138 @@
-"""`auto`: ZEN's choice among zen, hc and dense by the cost model, kept up to date.
+"""`auto`: the fastest scheme for this tensor on this cluster, measured, kept up to date.
 
-The first sync of a tensor, and every `reprofile_every`-th after it, runs zen, whose pull tells
-every rank the same cluster-wide figures (mean non-zero rows per rank, rows after summing).
-The cost model then picks the scheme for the following syncs. Every rank feeds the model the
-same numbers, so every rank picks the same scheme. One AutoScheme object per tensor.
+Bytes alone pick the wrong scheme at datacenter link rates, where CPU time per unit and per
+message decides (zen sends the fewest bytes and can still lose to hc or agsparse). So `auto`
+times the candidates on the real tensor, links and hosts, and keeps the fastest:
+
+1. Profile: the first sync of a tensor, and every `reprofile_every`-th after it, runs zen,
+   whose pull tells every rank the same cluster-wide figures (mean non-zero rows per rank,
+   rows after summing).
+2. Prune: the byte model (zend.core.costmodel) drops every candidate that would move more
+   than `prune_ratio` x the fewest bytes: a scheme that far behind on the wire cannot win.
+3. Trial: the next syncs run each remaining candidate (`trials` times at the first profile,
+   once at later ones), each rank timing its own syncs.
+4. Agree: after the last trial every rank sends its best time per candidate to every other
+   (one tiny message per peer); each takes the maximum over ranks (the collective lasts as
+   long as its slowest rank) and picks the smallest. Every rank computes the same choice from
+   the same numbers.
+
+Every sync, trial or not, is an exact sum: trials cost time, never correctness. With
+`deterministic=True` auto skips the timing and picks by bytes (zen, hc or dense), so that two
+runs on the same inputs run the same schemes and give the same bits.
+One AutoScheme object per tensor.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+import torch
+
 from zend.core import costmodel
 from zend.core.comm import Channel
 from zend.core.schemes.base import Scheme, SyncResult
-from zend.core.schemes.centralized import HCScheme
+from zend.core.schemes.centralized import AGSparseScheme, HCScheme
 from zend.core.schemes.dense import DenseScheme
-from zend.core.schemes.parallel import ZenScheme
+from zend.core.schemes.parallel import SparsePSScheme, ZenScheme
 from zend.core.sparse import SparseGrad
+
+CANDIDATES = ("zen", "hc", "agsparse", "sparse_ps", "dense")
 
 
 class AutoScheme(Scheme):
-    """Not a scheme of its own: it picks one of its three per sync, which does the work."""
+    """Not a scheme of its own: it picks one of its candidates per sync, which does the work."""
 
     name = "auto"
 
-    def __init__(self, seed: int = 0, reprofile_every: int = 100, min_slice_width: int = 8):
+    def __init__(self, seed: int = 0, reprofile_every: int = 100, min_slice_width: int = 8, trials: int = 2,
+                 prune_ratio: float = 4.0):
         if reprofile_every < 1:
             raise ValueError(f"reprofile_every {reprofile_every} must be at least 1")
+        if trials < 1:
+            raise ValueError(f"trials {trials} must be at least 1")
         self.reprofile_every = reprofile_every
+        self.trials = trials
+        self.prune_ratio = prune_ratio
         self.schemes: dict[str, Scheme] = {
-            "zen": ZenScheme(seed, min_slice_width), "hc": HCScheme(), "dense": DenseScheme(),
+            "zen": ZenScheme(seed, min_slice_width), "hc": HCScheme(), "agsparse": AGSparseScheme(),
+            "sparse_ps": SparsePSScheme(), "dense": DenseScheme(),
         }
         self.syncs = 0
+        self.profiles = 0
         self.choice = "zen"
+        self.plan: list[str] = []  # trials still to run in this profile, in order
+        self.best: dict[str, float] = {}  # this rank's best time per candidate in this profile
+        self.agreed: dict[str, float] = {}  # the cluster's time per candidate (max over ranks), last profile
+
+    def timed(self, name: str, run: Callable[[], SyncResult]) -> tuple[SyncResult, float]:
+        """Run one sync and measure it (a method, so that tests can substitute the clock)."""
+        start = time.perf_counter()
+        result = run()
+        return result, time.perf_counter() - start
 
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
              deterministic: bool = False) -> SyncResult:
         profiling = self.syncs % self.reprofile_every == 0
         self.syncs += 1
-        scheme = self.schemes["zen"] if profiling else self.schemes[self.choice]
-        result = scheme.sync(ch, grad, average=average, deterministic=deterministic)
-        if profiling and result.mean_input_rows is not None:
-            profile = costmodel.Profile(
-                world_size=ch.world_size, num_rows=grad.num_rows,
-                row_bytes=grad.row_len * grad.values.element_size(),
-                mean_rows=result.mean_input_rows, union_rows=float(result.grad.nnz),
-            )
-            self.choice, _ = costmodel.choose(profile)
-        result.details.update({"auto_ran": scheme.name, "auto_next": self.choice, "auto_profiled": profiling})
-        result.scheme = f"auto:{scheme.name}"
+        trial = profiling or bool(self.plan)
+        name = "zen" if profiling else self.plan.pop(0) if self.plan else self.choice
+        if profiling:
+            self.plan, self.best = [], {}
+        scheme = self.schemes[name]
+        result, seconds = self.timed(name, lambda: scheme.sync(ch, grad, average=average,
+                                                               deterministic=deterministic))
+        if trial:
+            self.best[name] = min(seconds, self.best.get(name, float("inf")))
+        if profiling:
+            self._plan_trials(ch, grad, result, deterministic)
+        elif trial and not self.plan:
+            self._agree(ch)
+        result.details.update({"auto_ran": name, "auto_next": self.plan[0] if self.plan else self.choice,
+                               "auto_profiled": profiling, "auto_trial": trial})
+        result.scheme = f"auto:{name}"
         return result
+
+    def _plan_trials(self, ch: Channel, grad: SparseGrad, result: SyncResult, deterministic: bool) -> None:
+        """After the profiling sync: prune by bytes, then queue the trials (or pick by bytes)."""
+        self.profiles += 1
+        if result.mean_input_rows is None or ch.world_size == 1:
+            self.choice, self.best = "zen", {}
+            return
+        profile = costmodel.Profile(
+            world_size=ch.world_size, num_rows=grad.num_rows, row_bytes=grad.row_len * grad.values.element_size(),
+            mean_rows=result.mean_input_rows, union_rows=float(result.grad.nnz),
+        )
+        if deterministic:  # reproducible: the same inputs choose the same scheme on every run
+            self.choice, _ = costmodel.choose(profile)
+            self.best = {}
+            return
+        volume = {name: costmodel.BYTES[name](profile) for name in CANDIDATES}
+        fewest = min(volume.values())
+        candidates = [name for name in CANDIDATES if volume[name] <= self.prune_ratio * max(fewest, 1.0)]
+        if self.agreed and self.profiles > 1:  # later profiles: only the contenders of the last one
+            best = min(self.agreed.values())
+            candidates = [c for c in candidates if c == "zen" or self.agreed.get(c, best) <= 2 * best]
+        rounds = self.trials if self.profiles == 1 else 1
+        self.plan = [c for r in range(rounds) for c in candidates if not (r == 0 and c == "zen")]
+        self.best = {c: self.best.get(c, float("inf")) for c in candidates}
+        if not self.plan:  # zen was the only candidate
+            self.choice, self.best = "zen", {}
+
+    def _agree(self, ch: Channel) -> None:
+        """Every rank's best time per candidate to every other; the max over ranks decides."""
+        names = list(self.best)
+        mine = torch.tensor([self.best[n] for n in names], dtype=torch.float64)
+        for j in range(ch.world_size):
+            if j != ch.rank:
+                ch.send(j, "auto_times", mine.view(torch.uint8))
+        slowest = mine.clone()
+        for j in range(ch.world_size):
+            if j != ch.rank:
+                theirs = ch.recv(j, "auto_times")
+                if theirs.numel() != mine.numel() * 8:
+                    raise ValueError(f"auto: rank {j} timed {theirs.numel() // 8} candidates, this rank {len(names)}")
+                slowest = torch.maximum(slowest, theirs.view(torch.float64))
+        self.agreed = dict(zip(names, slowest.tolist(), strict=True))
+        self.choice = min(names, key=lambda n: (self.agreed[n], names.index(n)))
+        self.best = {}

@@ -2,42 +2,90 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from zend.core.codec import decode_dense, encode_dense
+from zend.core.codec import CodecError
 from zend.core.comm import Channel
-from zend.core.schemes.base import ExchangeScheme, SyncResult, finish
+from zend.core.schemes.base import ExchangeScheme, SyncResult
 from zend.core.sparse import SparseGrad
+
+# A chunk travels in pieces of about this size, so that summing piece p overlaps with the
+# transfer of piece p + 1 and a piece is forwarded as soon as it is summed (pipelining).
+PIECE_BYTES = 2 * 1024 * 1024
+
+
+def _pieces(chunk: torch.Tensor, count: int) -> list[torch.Tensor]:
+    return list(torch.tensor_split(chunk, count))
+
+
+def _as_wire(piece: torch.Tensor) -> torch.Tensor:
+    return piece.view(torch.uint8)  # raw bytes, no header and no copy: both ends know the size
+
+
+def _check(got: torch.Tensor, piece: torch.Tensor, phase: str, step: int) -> torch.Tensor:
+    expected = piece.numel() * piece.element_size()
+    if got.numel() != expected:
+        raise CodecError(f"{phase} step {step}: piece of {got.numel()} bytes, expected {expected}")
+    return got.view(piece.dtype)
 
 
 class DenseScheme(ExchangeScheme):
-    """Reduce-scatter then allgather around a ring, n - 1 steps each.
+    """Reduce-scatter then allgather around a ring, n - 1 steps each, pipelined in pieces.
 
     Chunk c is summed once, along the ring, in the same order on every run, and then copied:
-    every rank gets the same bits. Partial sums travel in the gradient's dtype, as in NCCL.
+    every rank gets the same bits. Partial sums travel in the gradient's dtype, as in NCCL, and
+    are summed in place in the rank's own dense copy (no float32 round trip for fp32).
+    A piece is never written after it was handed to `send` (the in-process transport passes
+    references), so the allgather lands in a fresh result tensor.
     """
 
     name = "dense"
-    coalesce_input = False  # to_dense sums duplicates itself
+    coalesce_input = False  # densifying sums duplicates itself
 
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
         n, me = ch.world_size, ch.rank
-        dense = grad.to_dense().reshape(-1)
-        chunks = list(torch.tensor_split(dense, n))
+        dense = _densify(grad).reshape(-1)
+        count = max(1, math.ceil(dense.numel() * dense.element_size() / n / PIECE_BYTES))
+        chunks = [_pieces(c, count) for c in torch.tensor_split(dense, n)]
         nxt, prev = (me + 1) % n, (me - 1) % n
+        for p, piece in enumerate(chunks[me]):  # step 0 sends this rank's own chunk as it is
+            ch.send(nxt, "reduce_scatter", _as_wire(piece), p)
         for step in range(n - 1):  # after it, chunk (me + 1) % n holds the full sum
-            send_c, recv_c = (me - step) % n, (me - step - 1) % n
-            ch.send(nxt, "reduce_scatter", encode_dense(chunks[send_c]), step)
-            got, _ = decode_dense(ch.recv(prev, "reduce_scatter", step), chunks[recv_c].numel(), dense.dtype)
-            chunks[recv_c] = (got.float() + chunks[recv_c].float()).to(dense.dtype)
+            recv_c = (me - step - 1) % n
+            for p, piece in enumerate(chunks[recv_c]):
+                piece.add_(_check(ch.recv(prev, "reduce_scatter", step * count + p), piece, "reduce_scatter", step))
+                if step < n - 2:  # this chunk is what the next step sends: forward it now
+                    ch.send(nxt, "reduce_scatter", _as_wire(piece), (step + 1) * count + p)
         owned = (me + 1) % n
-        chunks[owned] = finish(chunks[owned].float(), dense.dtype, average, n)
+        for p, piece in enumerate(chunks[owned]):  # the full sum, averaged in float32, rounded once
+            if average and piece.dtype == torch.float32:
+                piece.div_(n)
+            elif average:
+                piece.copy_(piece.float() / n)
+            ch.send(nxt, "allgather", _as_wire(piece), p)
+        result = torch.empty_like(dense)
+        out = [_pieces(c, count) for c in torch.tensor_split(result, n)]
+        for dst, src in zip(out[owned], chunks[owned], strict=True):
+            dst.copy_(src)
         for step in range(n - 1):
-            send_c, recv_c = (owned - step) % n, (owned - step - 1) % n
-            ch.send(nxt, "allgather", encode_dense(chunks[send_c]), step)
-            got, _ = decode_dense(ch.recv(prev, "allgather", step), chunks[recv_c].numel(), dense.dtype)
-            chunks[recv_c] = got
+            recv_c = (owned - step - 1) % n
+            for p, dst in enumerate(out[recv_c]):
+                got = ch.recv(prev, "allgather", step * count + p)
+                dst.copy_(_check(got, dst, "allgather", step))
+                if step < n - 2:  # forward the bytes as they came
+                    ch.send(nxt, "allgather", got, (step + 1) * count + p)
         ch.note_encoding("allgather", "DENSE")
-        total = torch.cat(chunks).reshape(grad.dense_shape)
-        rows = torch.arange(grad.num_rows, device=total.device)
-        return SyncResult(SparseGrad(rows, total, grad.num_rows, grad.name, True), self.name, ch.traffic)
+        return SyncResult(SparseGrad(torch.arange(grad.num_rows, device=result.device),
+                                     result.reshape(grad.dense_shape), grad.num_rows, grad.name, True),
+                          self.name, ch.traffic)
+
+
+def _densify(grad: SparseGrad) -> torch.Tensor:
+    if not grad.coalesced:
+        return grad.to_dense()  # index_put with accumulate sums duplicates
+    out = torch.zeros(grad.dense_shape, dtype=grad.dtype, device=grad.device)
+    if grad.nnz:
+        out.index_copy_(0, grad.indices.to(torch.int64), grad.values)
+    return out

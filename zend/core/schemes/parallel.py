@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from zend.core.aggregate import sum_keyed
-from zend.core.codec import Encoding, decode_units, encode_units, read_header
+from zend.core.aggregate import slot_keys, sum_into
+from zend.core.codec import Encoding, allocate_units, cheapest, decode_units, encode_gathered, read_header, write_bitmap
 from zend.core.comm import Channel
 from zend.core.partition import (
     BlockRangePartitioner,
@@ -21,7 +21,7 @@ from zend.core.partition import (
     RowRangePartitioner,
     ZenPartitioner,
 )
-from zend.core.schemes.base import ExchangeScheme, SyncResult, finish, imbalance
+from zend.core.schemes.base import ExchangeScheme, SyncResult, imbalance
 from zend.core.sparse import SparseGrad
 
 BOTH = (Encoding.COO, Encoding.BITMAP)
@@ -39,8 +39,8 @@ class ParallelScheme(ExchangeScheme):
         parts = self.partitioner(grad, n)
         split = parts.split(grad)
         self._push(ch, parts, split)
-        mine, units_in = self._aggregate(ch, parts, split, grad.dtype, average, deterministic)
-        pulled, units_at_owner = self._pull(ch, parts, mine, units_in, grad.dtype)
+        mine, units_in, pull_msg = self._aggregate(ch, parts, split, grad.dtype, average, deterministic)
+        pulled, units_at_owner = self._pull(ch, parts, mine, units_in, pull_msg)
         units_per_row = self.units_per_row(parts)
         return SyncResult(
             parts.assemble(pulled, grad),
@@ -54,36 +54,55 @@ class ParallelScheme(ExchangeScheme):
         )
 
     def _push(self, ch: Channel, parts: Partitioner, split: list[Part]) -> None:
-        """Partition j's units go to rank j."""
+        """Partition j's units go to rank j, gathered from the gradient straight into the message."""
         n, me = ch.world_size, ch.rank
         for step in range(1, n):
             j = (me + step) % n  # staggered, so that no owner is everyone's first target
-            msg = encode_units(split[j].keys, split[j].values, parts.domain_size(j), self.encodings)
+            part = split[j]
+            msg = encode_gathered(part.keys, part.source, part.rows, parts.domain_size(j), self.encodings)
             ch.note_encoding("push", read_header(msg).kind.name)
             ch.send(j, "push", msg)
 
     def _aggregate(self, ch: Channel, parts: Partitioner, split: list[Part], dtype: torch.dtype, average: bool,
-                   deterministic: bool) -> tuple[Part, int]:
-        """This rank's partition summed over every rank, and how many units it received."""
+                   deterministic: bool) -> tuple[Part, int, torch.Tensor]:
+        """This rank's partition summed over every rank, how many units it received, and the pull
+        message that carries the sum (the sum is taken inside that message's buffer)."""
         n, me = ch.world_size, ch.rank
-        received: list[tuple[torch.Tensor, torch.Tensor]] = []
+        domain = parts.domain_size(me)
+        keys_in: list[torch.Tensor] = []
+        values_in: list[torch.Tensor] = []
         for i in range(n):  # rank order: the sum's order does not depend on arrival
             if i == me:
-                received.append((split[me].keys, split[me].values))
+                keys_in.append(split[me].keys)
+                values_in.append(split[me].values)
             else:
-                keys, values, _ = decode_units(ch.recv(i, "push"), parts.unit_width, parts.domain_size(me), dtype)
-                received.append((keys, values))
-        units_in = sum(k.numel() for k, _ in received)
-        agg_keys, agg32 = sum_keyed(received, deterministic)
-        return Part(agg_keys, finish(agg32, dtype, average, n)), units_in
+                keys, values, _ = decode_units(ch.recv(i, "push"), parts.unit_width, domain, dtype)
+                keys_in.append(keys)
+                values_in.append(values)
+        units_in = sum(k.numel() for k in keys_in)
+        slots = slot_keys(keys_in, domain)
+        kind = cheapest(slots.count, parts.unit_width, domain, dtype, self.encodings)
+        msg = allocate_units(kind, slots.count, parts.unit_width, domain, dtype, values_in[0].device, aux=units_in)
+        # fp32 sums in the message itself; narrower types in a float32 scratch, rounded once
+        acc = msg.values if dtype == torch.float32 else torch.empty(msg.values.shape, dtype=torch.float32,
+                                                                     device=msg.values.device)
+        acc.zero_()
+        sum_into(acc, slots, values_in, deterministic)
+        if average and n > 1:
+            acc.div_(n)
+        if acc is not msg.values:
+            msg.values.copy_(acc)
+        if kind is Encoding.COO:
+            msg.index.copy_(slots.keys)
+        else:
+            write_bitmap(msg.index, slots.keys, domain)
+        return Part(slots.keys, msg.values), units_in, msg.buf
 
-    def _pull(self, ch: Channel, parts: Partitioner, mine: Part, units_in: int, dtype: torch.dtype
+    def _pull(self, ch: Channel, parts: Partitioner, mine: Part, units_in: int, msg: torch.Tensor
               ) -> tuple[list[Part], list[int]]:
         """Every owner sends its summed partition to every other rank; returns every partition and the
         units each owner received (riding in the header: the cluster-wide figures auto learns from)."""
         n, me = ch.world_size, ch.rank
-        msg = encode_units(mine.keys, mine.values, parts.domain_size(me), self.encodings,
-                           aux=units_in, keys_sorted=True)
         ch.note_encoding("pull", read_header(msg).kind.name)
         for step in range(1, n):
             ch.send((me + step) % n, "pull", msg)
@@ -95,7 +114,7 @@ class ParallelScheme(ExchangeScheme):
                 units_at_owner.append(units_in)
             else:
                 keys, values, header = decode_units(ch.recv(j, "pull"), parts.unit_width, parts.domain_size(j),
-                                                    dtype)
+                                                    mine.source.dtype, keys_ascending=True)
                 pulled.append(Part(keys, values))
                 units_at_owner.append(header.aux)
         return pulled, units_at_owner
