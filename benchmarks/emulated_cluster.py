@@ -13,6 +13,9 @@ Needs root and iproute2.
 
 `vs fastest` is each row's time over the fastest of our schemes in the same run (auto's target:
 within 1.05). auto runs its profile and trials before the timed steps; its choice is shown.
+`cpu ms/rank` is the CPU time (every thread, user and kernel) a rank's process spent on one
+step, the mean over ranks: n ranks share this machine's cores, so where n x cpu / cores comes
+near the step time, the step is bound by this machine's CPU, not by the emulated wire.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: in
     # the slowest rank decides; bytes are per rank already maxima over steps
     out: dict[str, dict[str, float]] = {
         k: {"seconds": max(r[k]["seconds"] for r in reports),
-            "bottleneck": max(max(r[k]["sent"], r[k]["recv"]) for r in reports)} for k in reports[0]}
+            "bottleneck": max(max(r[k]["sent"], r[k]["recv"]) for r in reports),
+            "cpu": sum(r[k].get("cpu", 0.0) for r in reports) / n} for k in reports[0]}
     if "auto" in reports[0]:
         out["auto"]["choice"] = reports[0]["auto"]["choice"]  # the same on every rank
     return out
@@ -93,7 +97,7 @@ def main() -> None:
                              "wire_ms": wire * 1e3, "time_over_wire": r["seconds"] / wire if wire else None,
                              "vs_gloo_sparse": gs / r["seconds"], "vs_gloo_dense": gd / r["seconds"],
                              "vs_fastest": r["seconds"] / ours[fastest] if fastest else None,
-                             "choice": r.get("choice")})
+                             "cpu_ms_per_rank": r["cpu"] * 1e3, "choice": r.get("choice")})
     if args.json:
         print(json.dumps({"transport": args.transport, "workload": args.workload, "dim": args.dim,
                           "seqs": args.seqs, "steps": args.steps, "rows": rows}))
@@ -102,12 +106,13 @@ def main() -> None:
             else "top-k 1% of a 25M-element fp32 gradient")
     print(f"emulated cluster, transport {args.transport}, {what}, median of {args.steps} steps")
     print(f"{'Mbit/s':>7} {'n':>3} {'scheme':<12} {'time ms':>9} {'wire ms':>9} {'time/wire':>9} "
-          f"{'vs fastest':>10} {'vs gloo sparse':>15} {'vs gloo dense':>14}")
+          f"{'vs fastest':>10} {'cpu ms/rank':>11} {'vs gloo sparse':>15} {'vs gloo dense':>14}")
     for r in rows:
         ratio = f"{r['time_over_wire']:9.2f}" if r["time_over_wire"] else f"{'-':>9}"
         fast = f"{r['vs_fastest']:10.2f}" if r["vs_fastest"] else f"{'-':>10}"
         label = r["scheme"] + (f" ({r['choice']})" if r["choice"] else "")
-        print(f"{r['rate_mbit']:>7g} {r['n']:>3} {label:<12} {r['ms']:9.1f} {r['wire_ms']:9.1f} {ratio} {fast} "
+        cpu = f"{r['cpu_ms_per_rank']:11.1f}" if r["cpu_ms_per_rank"] else f"{'-':>11}"
+        print(f"{r['rate_mbit']:>7g} {r['n']:>3} {label:<12} {r['ms']:9.1f} {r['wire_ms']:9.1f} {ratio} {fast} {cpu} "
               f"{r['vs_gloo_sparse']:14.2f}x {r['vs_gloo_dense']:13.2f}x")
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from zend.core.codec import encode_units
+from zend.core.codec import encode_gathered
 from zend.core.partition import ZenPartitioner
 from zend.core.sparse import SparseGrad
 from zend.runtime.tuning import tune_allocator
@@ -43,8 +43,8 @@ def case(num_rows: int, nnz: int, row_len: int, n: int, repeat: int, device: str
         sync()
 
     def partition_and_encode() -> None:
-        for j, p in enumerate(parts.split(grad)):
-            encode_units(p.keys, p.values, parts.domain_size(j))
+        for j, p in enumerate(parts.split(grad)):  # as the scheme's push does: gathered into the message
+            encode_gathered(p.keys, p.source, p.rows, parts.domain_size(j))
         sync()
 
     partition_and_encode()  # warm-up (CUDA kernels, allocator)

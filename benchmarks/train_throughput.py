@@ -1,14 +1,20 @@
-"""Steps per second of example (a) (examples/gpt_sparse.py) on the emulated cluster: zen against DDP + gloo.
+"""Steps per second of the examples on the emulated cluster: zen against DDP + gloo.
 
 n ranks, one per network namespace behind a rate-limited link (zend/cluster/netns.py), a zend daemon
 in each namespace for the zen runs. In the same run and on the same namespaces:
-  zen            DDP with zen.comm_hook: the sparse embedding through the daemons, dense buckets by gloo
-  zen+topk       the same, dense buckets top-k (1%) with error feedback through the daemons
-  gloo sparse    plain DDP: torch's own sparse allreduce for the embedding, gloo allreduce for the rest
-  gloo dense     plain DDP with a dense embedding
-Needs root and iproute2.
+  zen            DDP with zen.comm_hook: the sparse tables through the daemons, dense buckets by gloo
+  zen+topk       the same, dense buckets top-k (1%) with error feedback through the daemons (gpt only)
+  gloo sparse    plain DDP: torch's own sparse allreduce for the tables, gloo allreduce for the rest
+  gloo dense     plain DDP with dense tables
+  local          every rank alone (a world of one, no communication) at the same time: the compute
+                 time of a step on this machine's shared cores; `comm share` of a run is
+                 1 - local / its step time
+Examples (--example): gpt, example (a), examples/gpt_sparse.py; gpt-sampled, the same with a
+sampled-softmax output embedding (sparse tables >= 70% of the parameters); recsys, example (b),
+examples/recsys.py (MovieLens, `make data` or scripts/fetch_movielens.py first). Needs root and iproute2.
 
-    .venv/bin/python benchmarks/train_throughput.py [--nodes 4] [--rate-mbit 100] [--steps 12]
+    .venv/bin/python benchmarks/train_throughput.py [--example gpt] [--nodes 4] [--rate-mbit 100] [--steps 12]
+        [--json]
 """
 
 from __future__ import annotations
@@ -25,29 +31,37 @@ from statistics import mean
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"zen": ["--backend", "zen"], "zen+topk": ["--backend", "zen", "--dense", "topk"],
-        "gloo sparse": ["--backend", "gloo"], "gloo dense": ["--backend", "gloo-dense"]}
+        "gloo sparse": ["--backend", "gloo"], "gloo dense": ["--backend", "gloo-dense"], "local": ["--backend", "gloo"]}
+EXAMPLES = {  # script, model arguments, the runs it offers
+    "gpt": ("examples/gpt_sparse.py", ["--layers", "1", "--context", "64", "--batch", "4"], list(RUNS)),
+    "gpt-sampled": ("examples/gpt_sparse.py", ["--layers", "1", "--context", "64", "--batch", "4", "--sampled",
+                                              "1024"], list(RUNS)),
+    "recsys": ("examples/recsys.py", ["--batch", "512"], [r for r in RUNS if r != "zen+topk"]),
+}
 
 
 def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path, port: int) -> list[dict]:
     from zend.cluster.local import LocalCluster
 
     n = args.nodes
-    model = ["--steps", str(args.steps), "--json", "--dim", str(args.dim), "--layers", "1", "--context", "64",
-             "--batch", "4", *RUNS[name]]
+    script, model_args, _ = EXAMPLES[args.example]
+    model = ["--steps", str(args.steps), "--json", "--dim", str(args.dim), *model_args, *RUNS[name]]
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(LocalCluster(n, workdir / name.replace(" ", "-").replace("+", "-"),
                                                    emulated=emulated, metrics=False,
                                                    extra=["--log-format", "text"])) if "zen" in name else None
         procs = []
         for rank in range(n):
-            env = {**os.environ, "MASTER_ADDR": emulated.address(0), "MASTER_PORT": str(port),  # type: ignore[attr-defined]
-                   "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            alone = name == "local"  # a world of one per rank: the same compute, no communication
+            master = emulated.address(rank if alone else 0)  # type: ignore[attr-defined]
+            env = {**os.environ, "MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": "0" if alone else str(rank),
+                   "WORLD_SIZE": "1" if alone else str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                    "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0"}
             if cluster is not None:
                 env.update(ZEN_SOCKET_DIR=cluster.socket_dir(rank), ZEN_JOB="bench",
                            ZEN_JOB_TOKEN=cluster.token("bench"))
             argv = ["ip", "netns", "exec", emulated.namespace(rank),  # type: ignore[attr-defined]
-                    sys.executable, str(ROOT / "examples/gpt_sparse.py"), *model]
+                    sys.executable, str(ROOT / script), *model]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = []
         try:
@@ -72,14 +86,18 @@ def main() -> int:
     p.add_argument("--rate-mbit", type=float, default=100.0)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the mean (warm-up)")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {list(RUNS)}")
+    p.add_argument("--example", choices=list(EXAMPLES), default="gpt")
+    p.add_argument("--dim", type=int, default=None, help="embedding width (default 64 for gpt, 16 for recsys)")
+    p.add_argument("--runs", default=None, help=f"comma-separated, from {list(RUNS)} (default: all the example offers)")
+    p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.dim is None:
+        args.dim = 16 if args.example == "recsys" else 64
     reason = available()
     if reason:
         print(f"train_throughput: {reason}", file=sys.stderr)
         return 2
-    names = [r for r in args.runs.split(",") if r]
+    names = [r for r in (args.runs or ",".join(EXAMPLES[args.example][2])).split(",") if r]
     results = {}
     with tempfile.TemporaryDirectory(prefix="zen-train-") as tmp, \
             EmulatedCluster(args.nodes, rate_mbit=args.rate_mbit) as emulated:
@@ -88,13 +106,24 @@ def main() -> int:
             timed = rows[args.skip:]
             results[name] = (mean(r["seconds"] for r in timed), rows[0]["loss"], rows[-1]["loss"])
             print(f"  {name}: {results[name][0] * 1e3:.0f} ms/step", file=sys.stderr, flush=True)
-    best_gloo = min(v[0] for k, v in results.items() if k.startswith("gloo")) if any(
-        k.startswith("gloo") for k in results) else float("nan")
-    print(f"example (a), n = {args.nodes} ranks in network namespaces at {args.rate_mbit:g} Mbit/s, dim {args.dim}, "
-          f"mean over steps {args.skip}..{args.steps - 1}")
-    print(f"{'run':<12} {'ms/step':>8} {'steps/s':>8} {'vs best gloo':>12} {'loss first':>10} {'loss last':>10}")
-    for name, (sec, first, last) in results.items():
-        print(f"{name:<12} {sec * 1e3:>8.0f} {1 / sec:>8.2f} {best_gloo / sec:>11.2f}x {first:>10.3f} {last:>10.3f}")
+    gloo = [v[0] for k, v in results.items() if k.startswith("gloo")]
+    best_gloo = min(gloo) if gloo else float("nan")
+    local = results["local"][0] if "local" in results else None
+    table = [{"run": name, "ms_per_step": sec * 1e3, "steps_per_s": 1 / sec, "vs_best_gloo": best_gloo / sec,
+              "comm_share": (max(0.0, 1 - local / sec) if local is not None and name != "local" else None),
+              "loss_first": first, "loss_last": last} for name, (sec, first, last) in results.items()]
+    if args.json:
+        print(json.dumps({"example": args.example, "nodes": args.nodes, "rate_mbit": args.rate_mbit,
+                          "dim": args.dim, "steps": args.steps, "skip": args.skip, "runs": table}))
+        return 0
+    print(f"example {args.example}, n = {args.nodes} ranks in network namespaces at {args.rate_mbit:g} Mbit/s, "
+          f"dim {args.dim}, mean over steps {args.skip}..{args.steps - 1}")
+    print(f"{'run':<12} {'ms/step':>8} {'steps/s':>8} {'vs best gloo':>12} {'comm share':>10} {'loss first':>10} "
+          f"{'loss last':>10}")
+    for r in table:
+        share = f"{r['comm_share']:10.0%}" if r["comm_share"] is not None else f"{'-':>10}"
+        print(f"{r['run']:<12} {r['ms_per_step']:>8.0f} {r['steps_per_s']:>8.2f} {r['vs_best_gloo']:>11.2f}x {share} "
+              f"{r['loss_first']:>10.3f} {r['loss_last']:>10.3f}")
     return 0
 
 

@@ -29,27 +29,48 @@ from zend.simulator.traces import GPT2_VOCAB, TokenTrace
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, context: int, sparse: bool = True):
+    """`sampled` > 0 makes the output layer an embedding too (sampled softmax, as the One Billion Word
+    LSTMs do): logits only over the batch's targets plus `sampled` shared random negatives, so
+    its gradient is row-sparse like the input's, and the sparse tables hold most parameters."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, context: int, sparse: bool = True,
+                 sampled: int = 0):
         super().__init__()
+        self.vocab, self.sampled = vocab, sampled
         self.tokens = nn.Embedding(vocab, dim, sparse=sparse)  # the sparse gradient zen synchronises
         self.positions = nn.Parameter(torch.zeros(context, dim))
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        if sampled:
+            self.out = nn.Embedding(vocab, dim, sparse=sparse)
+            nn.init.normal_(self.out.weight, std=dim**-0.5)  # logits of order 1, as a Linear head starts
+        else:
+            self.head = nn.Linear(dim, vocab, bias=False)
         mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy of predicting `targets` (full softmax, or sampled)."""
         n = ids.shape[1]
         x = self.tokens(ids) + self.positions[:n]
-        x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
-        return self.head(self.norm(x))
+        h = self.norm(self.blocks(x, mask=self.mask[:n, :n], is_causal=True)).reshape(-1, x.shape[-1])
+        if not self.sampled:
+            return nn.functional.cross_entropy(self.head(h), targets.reshape(-1))
+        negatives = torch.randint(0, self.vocab, (self.sampled,))
+        candidates, where = torch.unique(torch.cat([targets.reshape(-1), negatives]), return_inverse=True)
+        logits = h @ self.out(candidates).t()  # (tokens, candidates): only these rows get a gradient
+        return nn.functional.cross_entropy(logits, where[: targets.numel()])
 
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     rank, world = join_job(args.seed)
-    model = TinyGPT(GPT2_VOCAB, args.dim, args.layers, args.heads, args.context, args.backend != "gloo-dense")
+    model = TinyGPT(GPT2_VOCAB, args.dim, args.layers, args.heads, args.context, args.backend != "gloo-dense",
+                    args.sampled)
+    if rank == 0 and not args.json:
+        sparse = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        total = sum(p.numel() for p in model.parameters())
+        print(f"{total:,} parameters, {sparse / total:.0%} in embedding tables", flush=True)
     ddp, client = wrap(model, args.backend, dense=args.dense, topk_ratio=args.topk)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     trace = TokenTrace.default(seqs=args.batch, seq_len=args.context + 1, seed=args.seed)
@@ -59,8 +80,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     def loss_of(ids: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        logits = ddp(ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, GPT2_VOCAB), ids[:, 1:].reshape(-1))
+        loss = ddp(ids[:, :-1], ids[:, 1:])
         loss.backward()
         opt.step()
         return loss
@@ -82,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--sampled", type=int, default=0,
+                   help="sampled softmax with this many negatives: the output layer a sparse embedding too")
     p.add_argument("--dense", choices=["torch", "topk"], default="torch",
                    help="zen: dense buckets by gloo allreduce (torch) or top-k through the daemon (topk)")
     p.add_argument("--topk", type=float, default=0.01, help="fraction of dense values kept with --dense topk")

@@ -45,3 +45,34 @@ def test_bad_arguments_are_named(args, message):
     proc = subprocess.run([sys.executable, "-m", "zend", "simulate", *args], capture_output=True, text=True)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize("n", [2, 5, 8, 12])
+@pytest.mark.parametrize("dim", [1, 64])
+def test_counted_traffic_equals_the_exchanged_traffic_byte_for_byte(n, dim):
+    """traffic_model is how `zend simulate` reaches n = 1,024: it must agree with the real run exactly,
+    for every scheme, power of two or not, element- and row-sparse."""
+    from zend.simulator.simulation import simulate
+    from zend.simulator.traces import TokenTrace
+
+    trace = TokenTrace.default(seqs=2, seq_len=128)
+    exact = simulate(trace, [n], dim=dim, steps=2, method="exact")
+    model = simulate(trace, [n], dim=dim, steps=2, method="model")
+    for e, m in zip(exact, model, strict=True):
+        assert (e.scheme, e.ran) == (m.scheme, m.ran)
+        assert (e.max_recv_bytes, e.max_sent_bytes) == (m.max_recv_bytes, m.max_sent_bytes), e.scheme
+        assert e.push_imbalance == pytest.approx(m.push_imbalance) and e.pull_imbalance == pytest.approx(
+            m.pull_imbalance), e.scheme
+        assert e.push_load_imbalance == pytest.approx(m.push_load_imbalance), e.scheme
+        assert e.method == "exact" and m.method == "model" and m.identical_on_all_ranks is None
+
+
+def test_simulate_reaches_a_thousand_ranks_by_counting():
+    from zend.simulator.simulation import simulate
+    from zend.simulator.traces import TokenTrace
+
+    rows = simulate(TokenTrace.default(seqs=2, seq_len=128), [1024], schemes=["zen", "dense"], steps=1)
+    zen, dense = rows
+    assert zen.method == dense.method == "model"
+    assert 0 < zen.bottleneck < dense.bottleneck
+    assert zen.pull_imbalance < 1.5

@@ -162,3 +162,14 @@ def test_pulled_key_past_the_last_row_is_refused(compiled):
     pulled = [Part(torch.tensor([2]), torch.ones(1, 1)) if i == j else empty for i in range(4)]
     with contextlib.nullcontext() if compiled else _kernels_off(), pytest.raises(ValueError, match="outside the"):
         parts.assemble(pulled, SparseGrad.empty(10))
+
+
+@given(sparse_grads(), st.integers(1, 20), st.sampled_from([1, 4, 8]))
+def test_compiled_split_matches_the_torch_twin(grad, n, min_slice):
+    parts = ZenPartitioner(grad.num_rows, grad.row_len, n, seed=9, min_slice_width=min_slice)
+    compiled = parts.split(grad)
+    with _kernels_off():
+        twin = parts.split(grad)
+    for a, b in zip(compiled, twin, strict=True):
+        assert a.keys.dtype == b.keys.dtype and torch.equal(a.keys, b.keys)
+        assert torch.equal(a.values, b.values)

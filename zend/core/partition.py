@@ -145,9 +145,15 @@ class ZenPartitioner(Partitioner):
     def split(self, grad: SparseGrad) -> list[Part]:
         rows = grad.indices.to(torch.int64)
         n, s_count, width = self.num_parts, self.slices, self.unit_width
-        rot, blocks = self.rotation(rows)
         units = grad.flat_values().reshape(-1, width)  # unit u = row u // S, slice u % S
-        if s_count == n and n > 1:
+        every_slice_everywhere = s_count == n and n > 1
+        if not every_slice_everywhere and rows.device.type == "cpu" and kernels.available():
+            order_np, keys_np, counts_np = kernels.zen_split(rows.numpy(), n, s_count, self.hash.multiplier,
+                                                             self.hash.salt)
+            order, keys, counts = torch.from_numpy(order_np), torch.from_numpy(keys_np), counts_np.tolist()
+            return [Part(k, units, o) for k, o in zip(keys.split(counts), order.split(counts), strict=True)]
+        rot, blocks = self.rotation(rows)
+        if every_slice_everywhere:
             # every row gives each partition exactly one slice, s = (j - rot(r)) mod n: no sort,
             # partition j's units are a strided pick from the rows, in row order
             slice_of = _mod_small(torch.arange(n, device=rows.device).unsqueeze(1) + (n - rot), n)  # (n, nnz)

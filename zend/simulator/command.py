@@ -57,6 +57,9 @@ def add_commands(sub: Any) -> None:
     sim.add_argument("--schemes", type=_scheme_list, default=list(DEFAULT_SCHEMES))
     sim.add_argument("--steps", type=int, default=2, help="steps per world size; bytes are averaged (default 2)")
     sim.add_argument("--seed", type=int, default=0, help="seeds the batches and the hash")
+    sim.add_argument("--method", choices=["auto", "exact", "model"], default="auto",
+                     help="exact: every rank exchanges real messages in this process; model: count every "
+                          "message's size instead (any n, same bytes); auto (default): exact up to 128 ranks")
     sim.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     sim.set_defaults(run=cmd_simulate)
 
@@ -82,7 +85,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     tune_allocator()
     start = time.perf_counter()
     rows = simulate(trace, args.nodes, args.schemes, args.dim, dtypes.BY_SHORT[args.dtype].torch, args.steps,
-                    args.seed)
+                    args.seed, args.method)
     if args.json:
         print(json.dumps(as_json_rows(rows), indent=1))
     else:
@@ -91,5 +94,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(format_table(rows))
         print("recv/sent: max over ranks (MB per step); /dense, /bound: bottleneck over dense ring allreduce and over "
               "the lower bound (docs/SCHEMES.md); push/load/pull: imbalance ratios (1.00 = even); "
-              f"same: every rank got identical bits. {time.perf_counter() - start:.1f} s")
+              "same: every rank got identical bits (- where counted); how: exact (exchanged) or model "
+              f"(counted, zend/simulator/traffic_model.py). {time.perf_counter() - start:.1f} s")
     return 0

@@ -3,8 +3,10 @@
 For each world size and scheme it reports the bottleneck traffic (max over ranks of bytes
 received, and of bytes sent), its ratio to dense ring allreduce and to the lower bound
 (perfectly balanced parallelism with the cheaper pull encoding, see zend.core.costmodel), and
-ZEN's imbalance ratios. Byte counts are exact: they are the sizes of the messages the schemes
-really exchanged.
+ZEN's imbalance ratios. Up to 128 ranks byte counts are those of the messages the schemes
+really exchanged; above, running every rank in one process is too slow (O(n^2) messages), and
+`traffic_model` counts every message's size from the same partitioners and encoding rule
+instead (equal to the exchanged figures byte for byte, checked in the tests).
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from zend.core import costmodel
 from zend.core.comm import Channel, Communicator
 from zend.core.schemes import make_scheme
 from zend.core.sparse import SparseGrad
+from zend.simulator import traffic_model
 from zend.simulator.traces import TokenTrace
 from zend.transport.inproc import InProcessCluster
 
 DEFAULT_WORLD_SIZES = (4, 8, 16, 32, 64, 128)
+EXACT_UP_TO = 128  # above this many ranks, method="auto" counts the traffic (traffic_model) instead
 DEFAULT_SCHEMES = ("zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto")
 
 
@@ -52,7 +57,8 @@ class SimRow:
     lower_bound_bytes: float
     mean_rows: float
     union_rows: float
-    identical_on_all_ranks: bool
+    identical_on_all_ranks: bool | None  # None where the traffic was counted, not exchanged
+    method: str = "exact"  # exact: the ranks exchanged real messages; model: traffic_model counted them
 
     @property
     def bottleneck(self) -> float:
@@ -80,19 +86,40 @@ def run_scheme_steps(name: str, grads_per_step: Sequence[Sequence[SparseGrad]], 
     return reports
 
 
+def model_scheme_steps(name: str, rows_per_step: Sequence[Sequence[np.ndarray]], num_rows: int, dim: int,
+                       dtype: torch.dtype, seed: int) -> list[list[RankReport]]:
+    """The same reports as run_scheme_steps, from traffic_model's counts (no digests: nothing ran)."""
+    choice = traffic_model.auto_choice(rows_per_step[0], num_rows, dim, dtype) if name == "auto" else None
+    reports = []
+    for step, row_sets in enumerate(rows_per_step):  # auto profiles with zen at step 0, then keeps its choice
+        t = traffic_model.step_traffic(name, row_sets, num_rows, dim, dtype, seed, choice if step else None)
+        reports.append([RankReport(int(t.sent[r]), int(t.recv[r]), t.push_imbalance, t.push_load_imbalance,
+                                   t.pull_imbalance, t.scheme, "") for r in range(len(row_sets))])
+    return reports
+
+
 def simulate(trace: TokenTrace, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES,
              schemes: Sequence[str] = DEFAULT_SCHEMES, dim: int = 64, dtype: torch.dtype = torch.float32,
-             steps: int = 2, seed: int = 0) -> list[SimRow]:
+             steps: int = 2, seed: int = 0, method: str = "auto") -> list[SimRow]:
+    """`method`: exact (every rank exchanges real messages), model (traffic_model counts them, any
+    n), or auto (exact up to EXACT_UP_TO ranks, model above)."""
+    if method not in ("exact", "model", "auto"):
+        raise ValueError(f"method {method!r} is not exact, model or auto")
     torch.set_num_threads(1)  # n rank threads already share the cores
     rows: list[SimRow] = []
     row_bytes = dim * torch.finfo(dtype).bits // 8
     for n in world_sizes:
-        grads = [[trace.embedding_grad(w, s, dim, dtype) for w in range(n)] for s in range(steps)]
-        mean_rows = sum(g.nnz for step in grads for g in step) / (n * steps)
-        union_rows = sum(len(torch.unique(torch.cat([g.indices for g in step]))) for step in grads) / steps
+        how = method if method != "auto" else ("exact" if n <= EXACT_UP_TO else "model")
+        row_sets = [[trace.rows(w, s) for w in range(n)] for s in range(steps)]
+        mean_rows = sum(len(r) for step in row_sets for r in step) / (n * steps)
+        union_rows = sum(len(np.unique(np.concatenate(step))) for step in row_sets) / steps
         profile = costmodel.Profile(n, trace.vocab, row_bytes, mean_rows, union_rows)
         bound = costmodel.bytes_balanced_parallel(profile)
-        results = {name: run_scheme_steps(name, grads, seed) for name in schemes}
+        if how == "exact":
+            grads = [[trace.embedding_grad(w, s, dim, dtype) for w in range(n)] for s in range(steps)]
+            results = {name: run_scheme_steps(name, grads, seed) for name in schemes}
+        else:
+            results = {name: model_scheme_steps(name, row_sets, trace.vocab, dim, dtype, seed) for name in schemes}
         dense_bytes = costmodel.bytes_dense(profile)
         for name, reports in results.items():
             recv = sum(max(r.bytes_recv for r in step) for step in reports) / steps
@@ -107,14 +134,16 @@ def simulate(trace: TokenTrace, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES
                 push_load_imbalance=max(r.push_load_imbalance for step in reports for r in step),
                 pull_imbalance=max(r.pull_imbalance for step in reports for r in step),
                 lower_bound_bytes=bound, mean_rows=mean_rows, union_rows=union_rows,
-                identical_on_all_ranks=all(len({r.digest for r in step}) == 1 for step in reports),
+                identical_on_all_ranks=(all(len({r.digest for r in step}) == 1 for step in reports)
+                                        if how == "exact" else None),
+                method=how,
             ))
     return rows
 
 
 def format_table(rows: Sequence[SimRow]) -> str:
     head = (f"{'n':>4} {'scheme':<11} {'ran':<10} {'recv MB':>9} {'sent MB':>9} {'/dense':>7} {'/bound':>7} "
-            f"{'push':>5} {'load':>5} {'pull':>5} {'same':>4}")
+            f"{'push':>5} {'load':>5} {'pull':>5} {'same':>4} how")
     lines = [head, "-" * len(head)]
     last_n = None
     for r in rows:
@@ -126,8 +155,12 @@ def format_table(rows: Sequence[SimRow]) -> str:
                else f"{'-':>5} {'-':>5} {'-':>5}")
         lines.append(
             f"{r.world_size:>4} {r.scheme:<11} {r.ran:<10} {r.max_recv_bytes / 1e6:9.3f} {r.max_sent_bytes / 1e6:9.3f} "
-            f"{r.vs_dense:7.3f} {r.vs_lower_bound:7.3f} {imb} {'yes' if r.identical_on_all_ranks else 'NO':>4}")
+            f"{r.vs_dense:7.3f} {r.vs_lower_bound:7.3f} {imb} {_same(r.identical_on_all_ranks):>4} {r.method}")
     return "\n".join(lines)
+
+
+def _same(identical: bool | None) -> str:
+    return "-" if identical is None else "yes" if identical else "NO"
 
 
 def as_json_rows(rows: Sequence[SimRow]) -> list[dict[str, object]]:

@@ -34,6 +34,34 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first n bytes of a list of buffers (after a partial vectored read or write)."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views.pop(0))
+        else:
+            views[0], n = views[0][n:], 0
+
+
+def _recv_exactly_into(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every buffer in order with one recvmsg per arrival: the tag and the payload of a
+    frame in one system call, not two."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = sock.recvmsg_into(views)[0]
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        _advance(views, n)
+
+
+def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """sendall of several buffers with sendmsg: a frame's header and payload leave in one system
+    call and, with TCP_NODELAY, without a separate packet for the 40-byte header."""
+    views = [b for b in buffers if len(b)]
+    while views:
+        _advance(views, sock.sendmsg(views))
+
+
 class TcpTransport(LinkTransport):
     scheme = "tcp"
     _listener: socket.socket | None = None
@@ -96,11 +124,9 @@ class TcpTransport(LinkTransport):
             _recv_exactly(sock, memoryview(header))
             tag_len, size = unpack_frame(bytes(header))
             tag = bytearray(tag_len)
-            _recv_exactly(sock, memoryview(tag))
             self._reserve(j, size)
             payload = self._payload_buffer(size)
-            if size:
-                _recv_exactly(sock, memoryview(payload.numpy()))  # type: ignore[arg-type]
+            _recv_exactly_into(sock, [memoryview(tag), memoryview(payload.numpy())])  # type: ignore[arg-type]
             self._deliver(j, tag.decode(), payload)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
@@ -108,6 +134,4 @@ class TcpTransport(LinkTransport):
         if data.is_cuda:
             data = data.cpu()  # tcp:// stages GPU tensors through the host
         link.settimeout(self.timeout_s)
-        link.sendall(header)
-        if data.numel():
-            link.sendall(memoryview(data.numpy()))  # type: ignore[arg-type]
+        _send_all(link, [memoryview(header), memoryview(data.numpy())])  # type: ignore[arg-type]

@@ -1,0 +1,195 @@
+"""Every rank's bytes for every scheme, counted from the ranks' row sets instead of exchanged.
+
+Running n ranks in one process costs O(n^2) messages and n copies of every gradient; at
+n = 1,024 that takes hours. But a scheme's traffic depends only on *how many* units each
+message carries, not on their values: the size of every message follows from the
+partitioner's counts and the codec's exact sizes (`codec.encoded_size`, the cheaper encoding
+where a scheme may choose). So this module computes, for each scheme, every message's size
+from the same partitioners and the same encoding rule the schemes use, and sums them per rank.
+The figures equal the exchanged run's byte for byte (tests/simulator checks it at n <= 32, the
+note of issue 12 at n = 128); imbalances are computed from the same counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zend.core import costmodel
+from zend.core.codec import Encoding, encoded_size
+from zend.core.partition import BlockRangePartitioner, RowRangePartitioner, ZenPartitioner
+from zend.core.schemes.dense import PIECE_BYTES
+from zend.core.schemes.parallel import BOTH, COO_ONLY
+from zend.core.sparse import SparseGrad
+
+MODELLED = ("zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto")
+
+
+@dataclass
+class Traffic:
+    """Bytes every rank sent and received for one step of one scheme, and the imbalances."""
+
+    sent: np.ndarray  # (n,) int64
+    recv: np.ndarray
+    scheme: str  # what ran ("auto:zen" for auto)
+    push_imbalance: float = 1.0
+    push_load_imbalance: float = 1.0
+    pull_imbalance: float = 1.0
+
+
+def _size(count: int, width: int, domain: int, dtype: torch.dtype, allowed: tuple[Encoding, ...]) -> int:
+    """The message size the scheme would send: the cheaper allowed encoding (codec.cheapest)."""
+    return min(encoded_size(k, count, width, domain, dtype) for k in allowed)
+
+
+def _imbalance(counts: np.ndarray) -> float:
+    total = int(counts.sum())
+    return float(len(counts) * counts.max() / total) if total else 1.0
+
+
+def _parallel(counts: np.ndarray, owned: np.ndarray, width: int, domains: Sequence[int], dtype: torch.dtype,
+              allowed: tuple[Encoding, ...], name: str) -> Traffic:
+    """Push / pull: counts[i, j] units of rank i for owner j; owned[j] units owner j summed."""
+    n = counts.shape[0]
+    push = np.array([[_size(int(counts[i, j]), width, domains[j], dtype, allowed) for j in range(n)]
+                     for i in range(n)], dtype=np.int64)
+    np.fill_diagonal(push, 0)
+    pull = np.array([_size(int(owned[j]), width, domains[j], dtype, allowed) for j in range(n)], dtype=np.int64)
+    sent = push.sum(axis=1) + (n - 1) * pull
+    recv = push.sum(axis=0) + (pull.sum() - pull)
+    pushed = max(_imbalance(counts[i]) for i in range(n))
+    return Traffic(sent, recv, name, pushed, _imbalance(counts.sum(axis=0)), _imbalance(owned))
+
+
+def _zen_counts(parts: ZenPartitioner, rows: np.ndarray) -> np.ndarray:
+    grad = SparseGrad(torch.from_numpy(rows), torch.empty(len(rows), parts.row_len), parts.num_rows, "m", True)
+    return np.array([p.count for p in parts.split(grad)], dtype=np.int64)
+
+
+def _range_counts(parts: RowRangePartitioner | BlockRangePartitioner, unit_ids: np.ndarray) -> np.ndarray:
+    return np.diff(np.searchsorted(unit_ids, np.array(parts.bounds)))
+
+
+def _touched_blocks(parts: BlockRangePartitioner, rows: np.ndarray) -> np.ndarray:
+    """Blocks holding any element of the rows (BlockRangePartitioner.split, without the values)."""
+    first, last = (t.numpy() for t in parts._row_block_spans(torch.from_numpy(rows)))
+    touched = np.zeros(parts.bounds[-1] + 1, dtype=np.int64)
+    np.add.at(touched, first, 1)
+    np.add.at(touched, last + 1, -1)
+    return np.flatnonzero(np.cumsum(touched)[:-1] > 0)
+
+
+def zen_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_rows: int, row_len: int,
+                dtype: torch.dtype, seed: int, min_slice_width: int = 8) -> Traffic:
+    n = len(row_sets)
+    parts = ZenPartitioner(num_rows, row_len, n, seed, min_slice_width)
+    counts = np.stack([_zen_counts(parts, r) for r in row_sets])
+    owned = _zen_counts(parts, union)
+    return _parallel(counts, owned, parts.unit_width, [parts.domain_size(j) for j in range(n)], dtype, BOTH, "zen")
+
+
+def sparse_ps_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_rows: int, row_len: int,
+                      dtype: torch.dtype) -> Traffic:
+    n = len(row_sets)
+    parts = RowRangePartitioner(num_rows, row_len, n)
+    counts = np.stack([_range_counts(parts, r) for r in row_sets])
+    return _parallel(counts, _range_counts(parts, union), row_len, [parts.domain_size(j) for j in range(n)], dtype,
+                     COO_ONLY, "sparse_ps")
+
+
+def omnireduce_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_rows: int, row_len: int,
+                       dtype: torch.dtype, block: int = 256) -> Traffic:
+    n = len(row_sets)
+    parts = BlockRangePartitioner(num_rows, row_len, n, block)
+    counts = np.stack([_range_counts(parts, _touched_blocks(parts, r)) for r in row_sets])
+    owned = _range_counts(parts, _touched_blocks(parts, union))
+    return _parallel(counts, owned, block, [parts.domain_size(j) for j in range(n)], dtype, COO_ONLY, "omnireduce")
+
+
+def agsparse_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+    """Ring allgather: rank r forwards every gradient but its successor's, receives all but its own."""
+    own = np.array([_size(len(r), row_len, num_rows, dtype, COO_ONLY) for r in row_sets], dtype=np.int64)
+    total = own.sum()
+    return Traffic(total - np.roll(own, -1), total - own, "agsparse")
+
+
+def hc_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+    """Recursive doubling (the extra ranks of a non-power-of-two world fold into partners first)."""
+    n = len(row_sets)
+    sent, recv = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+
+    def size(rows: np.ndarray) -> int:
+        return _size(len(rows), row_len, num_rows, dtype, BOTH)
+
+    power = 1 << (n.bit_length() - 1)
+    extra = n - power
+    held = [r for r in row_sets[:power]]
+    for r in range(extra):  # fold: rank power + r sends its rows to rank r
+        msg = size(row_sets[power + r])
+        sent[power + r] += msg
+        recv[r] += msg
+        held[r] = np.union1d(held[r], row_sets[power + r])
+    level = 1
+    while level < power:
+        sizes = [size(h) for h in held]
+        nxt = list(held)
+        for r in range(power):
+            partner = r ^ level
+            sent[r] += sizes[r]
+            recv[r] += sizes[partner]
+            nxt[r] = np.union1d(held[r], held[partner])
+        held, level = nxt, level * 2
+    for r in range(extra):  # unfold: the sum back to the extra rank
+        msg = size(held[r])
+        sent[r] += msg
+        recv[power + r] += msg
+    return Traffic(sent, recv, "hc")
+
+
+def dense_traffic(n: int, num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+    """Ring reduce-scatter + allgather in raw pieces: rank me sends chunk (me - s) in reduce-scatter
+    step s and chunk (me + 1 - s) in allgather step s, and receives its predecessor's."""
+    elements = num_rows * row_len
+    chunk = np.array([c.numel() for c in torch.tensor_split(torch.empty(elements, dtype=torch.uint8), n)])
+    item = torch.empty(0, dtype=dtype).element_size()
+    assert PIECE_BYTES > 0  # pieces change the message count, not the bytes
+    sent = np.array([sum(int(chunk[(me - s) % n]) + int(chunk[(me + 1 - s) % n]) for s in range(n - 1))
+                     for me in range(n)], dtype=np.int64) * item
+    return Traffic(sent, np.roll(sent, 1), "dense")
+
+
+def step_traffic(name: str, row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype,
+                 seed: int, auto_choice: str | None = None) -> Traffic:
+    """One step of scheme `name` (auto: what it runs, zen to profile unless `auto_choice` is given)."""
+    if name == "auto":
+        ran = auto_choice or "zen"
+        t = step_traffic(ran, row_sets, num_rows, row_len, dtype, seed)
+        t.scheme = f"auto:{ran}"
+        return t
+    union = np.unique(np.concatenate(row_sets)) if row_sets else np.empty(0, dtype=np.int64)
+    if name == "zen":
+        return zen_traffic(row_sets, union, num_rows, row_len, dtype, seed)
+    if name == "sparse_ps":
+        return sparse_ps_traffic(row_sets, union, num_rows, row_len, dtype)
+    if name == "omnireduce":
+        return omnireduce_traffic(row_sets, union, num_rows, row_len, dtype)
+    if name == "agsparse":
+        return agsparse_traffic(row_sets, num_rows, row_len, dtype)
+    if name == "hc":
+        return hc_traffic(row_sets, num_rows, row_len, dtype)
+    if name == "dense":
+        return dense_traffic(len(row_sets), num_rows, row_len, dtype)
+    raise ValueError(f"scheme {name!r} has no traffic model; modelled: {', '.join(MODELLED)}")
+
+
+def auto_choice(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> str:
+    """What `auto` picks after profiling this step under deterministic=True (by bytes: zen, hc or
+    dense), from the figures zen's pull gives it: mean rows per rank and the union's rows."""
+    n = len(row_sets)
+    union = np.unique(np.concatenate(row_sets))
+    item = torch.empty(0, dtype=dtype).element_size()
+    profile = costmodel.Profile(n, num_rows, row_len * item, sum(len(r) for r in row_sets) / n, float(len(union)))
+    return costmodel.choose(profile)[0]
