@@ -146,17 +146,10 @@ def timed_spec(spec: Any, clock: Clock) -> Any:
     return TimedSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
 
-class TimedStub:
-    """The Trainer stub, with Submit (the gRPC round trip and all the daemon's work) timed."""
-
-    def __init__(self, stub: Any, clock: Clock):
-        self._stub, self._clock = stub, clock
-
-    def Submit(self, *a: Any, **kw: Any) -> Any:
-        return self._clock.timed("submit", self._stub.Submit, *a, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
+def timed_submit(link: Any, clock: Clock) -> None:
+    """The session's step submission (the round trip, on the socket or by gRPC, and all the daemon's work) timed."""
+    submit = link.submit
+    link.submit = lambda *a, **kw: clock.timed("submit", submit, *a, **kw)
 
 
 def deliver_total(port: int) -> float:
@@ -216,8 +209,9 @@ def trainer_worker(args: argparse.Namespace) -> None:
     from zend.protocol.session import TrainerSession
 
     clock = Clock()
-    with TrainerSession(args.socket_dir, "overhead", os.environ["ZEN_JOB_TOKEN"], timeout_s=300) as link:
-        link.stub = TimedStub(link.stub, clock)
+    with TrainerSession(args.socket_dir, "overhead", os.environ["ZEN_JOB_TOKEN"], timeout_s=300,
+                        steps_on_socket=not args.grpc_submit) as link:
+        timed_submit(link, clock)
         fence = link.register("barrier", (4, ROW))
         fence_grad = make_grad(args.rank, 1, 4, "barrier")
         fence_step = 0
@@ -240,7 +234,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
                 out = link.allreduce(handle, grad, cmd["step"], copy=cmd["copy"])
                 seconds = time.perf_counter() - t0
                 nnz_out = out.nnz
-                phases = {p.phase: p.seconds for p in handle.last_reply.phases}
+                phases = dict(handle.last_reply.phases)
                 # the next fence's 1-row deliver is not in yet: this difference is this step's alone
                 phases["deliver"] = deliver_total(args.metrics_port) - delivered
                 parts = {k: clock.parts.get(k, 0.0) for k in ("write", "submit", "read")}
@@ -339,7 +333,8 @@ def run_all(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             w.send(peers)
         token_env = {**env, "ZEN_JOB_TOKEN": cluster.token("overhead")}
         trainers = [Worker([*me, "--worker", "trainer", "--rank", str(r), "--socket-dir", cluster.socket_dir(r),
-                            "--metrics-port", str(cluster.metrics_ports[r])], token_env,
+                            "--metrics-port", str(cluster.metrics_ports[r]),
+                            *(["--grpc-submit"] if args.grpc_submit else [])], token_env,
                            workdir / f"trainer{r}.log", f"trainer of node {r}") for r in range(n)]
         workers += trainers
         for w in trainers:
@@ -443,6 +438,8 @@ def main() -> None:
                    help="torch intra-op threads of every process, daemons included (OMP_NUM_THREADS; default 1: "
                         "n processes share this machine's cores; 0 leaves torch's default)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    p.add_argument("--grpc-submit", action="store_true",
+                   help="trainers submit steps by gRPC, not on the buffer socket (the path before issue 12)")
     p.add_argument("--workdir", default=None, help="logs (default: a temporary folder, removed after)")
     # the worker processes (internal)
     p.add_argument("--worker", choices=["direct", "trainer"], help=argparse.SUPPRESS)

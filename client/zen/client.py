@@ -103,15 +103,15 @@ class Client:
             step = entry.next_step if step is None else step
         try:
             out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
+        except grpc.RpcError as exc:  # by gRPC or on the socket (StepRefused reads the same)
             raise from_rpc_error(exc, self.address) from None
         finally:
             with self._lock:
                 entry.in_flight = False
         entry.next_step = step + 1
         r = entry.handle.last_reply
-        entry.stats = StepStats(step, r.scheme, r.nnz, r.bytes_sent, r.bytes_received, r.dense_bytes,
-                                {p.phase: p.seconds for p in r.phases})
+        assert r is not None  # allreduce returned: the step's reply is in
+        entry.stats = StepStats(step, r.scheme, r.nnz, r.bytes_sent, r.bytes_received, r.dense_bytes, dict(r.phases))
         return self._as_output(out, kind, shape, tensor)
 
     def last_stats(self, name: str) -> StepStats | None:

@@ -14,6 +14,8 @@ import signal
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -505,3 +507,67 @@ def test_a_malformed_cuda_handle_names_the_field() -> None:
         CudaBuffer.open({"buffer": "x", "nbytes": "4"})
     with pytest.raises(SharedBufferError, match=r"device 'cpu' is not 'cuda:N'"):
         CudaBuffer.open({"buffer": "x", "nbytes": 4, "device": "cpu"})
+
+
+STEP = {"op": "step", "tensor": 1, "step": 0, "input": "in", "input_offset": 0, "nnz": 1, "result": "out",
+        "result_offset": 0, "timeout_s": 5.0}
+
+
+def test_steps_run_on_extra_connections_of_the_session_and_end_with_it(daemon_factory, sock_path, cleanup):
+    seen: list[tuple[str, int]] = []
+    both_in = threading.Barrier(2, timeout=10)
+
+    def on_step(info: SessionInfo, request: wire.Step) -> dict[str, Any]:
+        seen.append((info.session_id, request.step))
+        if request.step in (1, 2):
+            both_in.wait()  # two steps in flight at once, one per connection
+        return wire.reply_ok(echo=request.step)
+
+    d = daemon_factory(on_step=on_step)
+    main = client(cleanup, sock_path, "alice")
+    extra = [BufferClient(sock_path, "alice", timeout_s=10, attach=True) for _ in range(2)]
+    for c in extra:
+        cleanup.append(c.close)
+    replies: list[dict[str, Any]] = []
+    threads = [threading.Thread(target=lambda c=c, s=s: replies.append(c.step({**STEP, "step": s}, 10)))
+               for c, s in zip(extra, (1, 2), strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(r["echo"] for r in replies) == [1, 2]
+    assert main.step({**STEP, "step": 3}, 10)["echo"] == 3  # the claiming connection may submit too
+    assert sorted(seen) == [("alice", 1), ("alice", 2), ("alice", 3)]
+    with pytest.raises((ConnectionError, SharedBufferError, ProtocolError)):
+        extra[0].alloc(4096)  # a step connection sends steps only: it is dropped, the session is not
+    assert d.closed == [] and main.alloc(4096).nbytes == 4096
+    main.close()  # the session ends with its claiming connection, and its step connections with it
+    assert wait_for(lambda: d.closed == ["alice"])
+    with pytest.raises((ConnectionError, OSError)):
+        extra[1].step(STEP, 5)
+
+
+def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_path, cleanup):
+    daemon_factory(on_step=lambda info, request: wire.reply_ok())
+    client(cleanup, sock_path, "alice")
+    code = ("from zend.buffers import BufferClient\n"
+            f"BufferClient({sock_path!r}, 'alice', timeout_s=10, attach=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode != 0 and "belongs to another process" in proc.stderr, proc.stderr[-500:]
+    with pytest.raises(SharedBufferError, match="no connected session"):
+        BufferClient(sock_path, "bob", timeout_s=10, attach=True)  # known, but nobody claimed it
+
+
+def test_steps_are_refused_where_the_daemon_does_not_serve_them(daemon, sock_path, cleanup):
+    reply = client(cleanup, sock_path, "alice").step(STEP, 5)
+    assert reply["ok"] is False and "not served" in reply["error"]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("timeout_s", 0, "timeout_s"), ("timeout_s", True, "timeout_s"), ("step", 2**63, "outside"),
+    ("nnz", -1, "outside"), ("input", "", "characters"), ("tensor", "1", "must be int"),
+])
+def test_a_malformed_step_is_named(field, value, match):
+    with pytest.raises(ProtocolError, match=match):
+        wire.parse_request({**STEP, field: value})

@@ -97,6 +97,30 @@ def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(clust
         assert "node 2 has shape=[100, 16] but node 0 has shape=[100, 8]" in r.details()
 
 
+def test_steps_by_grpc_and_on_the_buffer_socket_are_the_same_step(cluster4):
+    """Half the nodes submit by gRPC, half on the socket: one sum, the same bits; errors alike."""
+    def body(node, link):  # type: ignore[no-untyped-def]
+        link.steps_on_socket = node % 2 == 0
+        h = link.register("emb", (200, 8))
+        out = [link.allreduce(h, random_grad(200, 8, 10 * step + node), step) for step in range(3)]
+        assert (link._step_clients != []) == link.steps_on_socket  # the path it was told to take
+        h.tensor_id += 1000
+        try:
+            link.allreduce(h, random_grad(200, 8, 0), 3)
+        except grpc.RpcError as exc:
+            return out, exc.code().name, exc.details()
+        raise AssertionError("a step of an unknown tensor went through")
+
+    results = _one_trainer_per_node(cluster4, "two-ways", body)
+    for step in range(3):
+        ref = sum(random_grad(200, 8, 10 * step + n).to_dense() for n in range(4))
+        for got, _, _ in results:
+            torch.testing.assert_close(got[step].to_dense(), ref, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[step].values, results[0][0][step].values)
+    errors = {(code, details) for _, code, details in results}
+    assert len(errors) == 1 and next(iter(errors))[0] == "NOT_FOUND", errors  # the same words either way
+
+
 def _session(cluster, node=0, job="bad", local_world_size=1):  # type: ignore[no-untyped-def]
     return TrainerSession(cluster.socket_dir(node), job, cluster.token(job), 0, local_world_size, timeout_s=10)
 

@@ -33,7 +33,8 @@ class BufferClient:
         SharedBufferError: the daemon refused the session or a request (its message).
     """
 
-    def __init__(self, path: str, session_id: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str, session_id: str, timeout_s: float = 10.0, attach: bool = False) -> None:
+        """`attach`: an extra connection of this process's connected session, for `step` only."""
         self.path = path
         self.session_id = session_id
         self._lock = threading.Lock()
@@ -51,7 +52,7 @@ class BufferClient:
             raise OSError(exc.errno, f"cannot connect to buffer socket {path!r}: {exc.strerror or exc}") from exc
         self._sock = sock
         try:
-            self._request({"op": "hello", "session": session_id})
+            self._request({"op": "hello", "session": session_id, **({"attach": True} if attach else {})})
         except BaseException:
             self.close()
             raise
@@ -120,13 +121,28 @@ class BufferClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def step(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send a "step" request and return the daemon's reply as it is (ok, or error and code): the
+        caller turns a refusal into its own error. Waits up to `timeout_s` for the reply."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.settimeout(timeout_s)
+            reply, _ = self._exchange(body, expect_fd=False, refusal_raises=False)
+            return reply
+
     def _request(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             reply, _ = self._exchange(body, expect_fd=False)
             return reply
 
-    def _exchange(self, body: dict[str, Any], *, expect_fd: bool = True) -> tuple[dict[str, Any], int | None]:
-        """Send a request, receive its reply; SharedBufferError with the daemon's message on refusal."""
+    def _exchange(self, body: dict[str, Any], *, expect_fd: bool = True, refusal_raises: bool = True
+                  ) -> tuple[dict[str, Any], int | None]:
+        """Send a request, receive its reply; SharedBufferError with the daemon's message on refusal
+        (unless `refusal_raises` is off: the caller reads the refusal itself)."""
         try:
             wire.parse_request(body)  # what the daemon would drop the connection for is refused here
         except wire.ProtocolError as exc:
@@ -151,7 +167,7 @@ class BufferClient:
             fd = None
         try:
             error = wire.check_reply(message.body)
-            if error is not None:
+            if error is not None and refusal_raises:
                 raise SharedBufferError(f"zend daemon refused {body.get('op')!r}: {error}")
         except BaseException:
             if fd is not None:

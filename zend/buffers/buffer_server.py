@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from zend.buffers import wire
 from zend.buffers.cuda import CudaBuffer
@@ -49,6 +50,10 @@ class _Session:
     buffers: dict[str, SharedBuffer] = field(default_factory=dict)
     nbytes: int = 0  # its buffers plus allocations in flight
     ended: bool = False
+    attached: set[socket.socket] = field(default_factory=set)  # its extra step connections
+
+
+StepHandler = Callable[[SessionInfo, wire.Step], dict[str, Any]]
 
 
 class BufferServer:
@@ -58,6 +63,8 @@ class BufferServer:
         path: where to bind the socket (removed again by :meth:`close`).
         authenticate: maps a hello's session id to its :class:`SessionInfo`, or None to refuse it.
         on_session_closed: called with the session id after a session's buffers are freed.
+        on_step: runs a trainer's "step" request (the daemon's Submit) and returns the reply body;
+            None: steps are refused (Submit over gRPC only).
         max_session_bytes: the most bytes one session may hold.
         max_total_bytes: the most bytes all sessions together may hold.
         cuda_pool: whether "cuda:N" buffers are served (else only "cpu").
@@ -65,12 +72,13 @@ class BufferServer:
     """
 
     def __init__(self, path: str, authenticate: Callable[[str], SessionInfo | None], *,
-                 on_session_closed: Callable[[str], None] = lambda s: None,
+                 on_session_closed: Callable[[str], None] = lambda s: None, on_step: StepHandler | None = None,
                  max_session_bytes: int = 64 << 30, max_total_bytes: int = 256 << 30, cuda_pool: bool = False,
                  hello_timeout_s: float = 10.0) -> None:
         self.path = path
         self._authenticate = authenticate
         self._on_session_closed = on_session_closed
+        self._on_step = on_step
         self.max_session_bytes = max_session_bytes
         self.max_total_bytes = max_total_bytes
         self.cuda_pool = cuda_pool
@@ -202,17 +210,26 @@ class BufferServer:
         session: _Session | None = None
         pid = _peer_pid(conn)
         who = f"pid {pid}"
+        attached = False
         try:
             conn.settimeout(self._hello_timeout_s)
-            session = self._hello(conn, pid)
+            hello = _request(conn)
+            if isinstance(hello, wire.Hello) and hello.attach:
+                session, attached = self._attach(conn, hello.session, pid), True
+            else:
+                session = self._hello(conn, hello, pid)
             if session is None:
                 return
             who = f"session {session.info.session_id!r} (pid {pid}, job {session.info.job!r})"
             wire.send_message(conn, wire.reply_ok(session=session.info.session_id))
             conn.settimeout(None)
-            log.info("buffer socket: %s connected", who)
+            log.log(logging.DEBUG if attached else logging.INFO, "buffer socket: %s connected%s", who,
+                    " (steps)" if attached else "")
             while True:
-                self._handle(conn, session, _request(conn))
+                request = _request(conn)
+                if attached and not isinstance(request, wire.Step):
+                    raise wire.ProtocolError("a step connection sends steps only")
+                self._handle(conn, session, request)
         except wire.ProtocolError as exc:
             log.warning("buffer socket: dropping %s: %s", who, exc)
             with contextlib.suppress(OSError):
@@ -227,12 +244,28 @@ class BufferServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
-            if session is not None:
+            if session is not None and attached:
+                with self._lock:
+                    session.attached.discard(conn)
+            elif session is not None:
                 self._end_session(session)
 
-    def _hello(self, conn: socket.socket, pid: int | None) -> _Session | None:
+    def _attach(self, conn: socket.socket, session_id: str, pid: int | None) -> _Session | None:
+        """A step connection of a connected session, from the process that holds it; None if refused."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None and not session.ended and pid is not None and session.info.pid == pid:
+                session.attached.add(conn)
+                return session
+        error = (f"session {session_id!r} refused: no connected session of this process has that id"
+                 if session is None or session.info.pid == pid else
+                 f"session {session_id!r} refused: it belongs to another process")
+        log.warning("buffer socket: pid %s: %s", pid, error)
+        wire.send_message(conn, wire.reply_error(error))
+        return None
+
+    def _hello(self, conn: socket.socket, request: wire.Request, pid: int | None) -> _Session | None:
         """The registered session of a hello; None (after an error reply) if it is refused."""
-        request = _request(conn)
         if not isinstance(request, wire.Hello):
             raise wire.ProtocolError(f"the first request must be 'hello', got {type(request).__name__.lower()!r}")
         session_id = request.session
@@ -262,6 +295,12 @@ class BufferServer:
     def _handle(self, conn: socket.socket, session: _Session, request: wire.Request) -> None:
         if isinstance(request, wire.Hello):
             raise wire.ProtocolError("'hello' may be sent only once")
+        if isinstance(request, wire.Step):
+            if self._on_step is None:
+                wire.send_message(conn, wire.reply_error("steps are not served on this socket: use Submit"))
+                return
+            wire.send_message(conn, self._on_step(session.info, request))
+            return
         if isinstance(request, wire.Free):
             try:
                 self._free(session, request.buffer)
@@ -351,6 +390,10 @@ class BufferServer:
                 self._buffers.pop(buffer.buffer_id, None)
             self._pool_bytes -= session.nbytes
             freed, session.nbytes = session.nbytes, 0
+            attached = list(session.attached)
+        for conn in attached:  # its step connections end with it (their threads see the socket close)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         for buffer in buffers:
             buffer.close()
         log.info("buffer socket: session %r (pid %s) closed, %d buffers (%d bytes) freed",

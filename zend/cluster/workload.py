@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = torch.allclose(result.to_dense(), reference, rtol=1e-5, atol=1e-5)
             ok_all &= ok
             r = handle.last_reply
+            assert r is not None  # allreduce returned
             print(json.dumps({"node": args.node, "local_rank": args.local_rank, "step": step, "ok": ok,
                               "scheme": r.scheme, "nnz_in": grad.nnz, "nnz_out": r.nnz, "bytes_sent": r.bytes_sent,
                               "dense_bytes": r.dense_bytes, "seconds": seconds}), flush=True)

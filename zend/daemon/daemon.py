@@ -32,6 +32,7 @@ from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
 from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
+from zend.daemon.socket_steps import SocketSteps
 from zend.daemon.status import NodeStatus, PeerStatus, SessionStatus, TensorStatus
 from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
@@ -54,9 +55,11 @@ class Daemon:
         self.registry = JobRegistry(self.secret)
         # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
+                                    on_step=lambda info, request: self.socket_steps(info, request),
                                     max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
                                     cuda_pool=torch.cuda.is_available())
         self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s)
+        self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
         self.grpc_server: grpc.Server | None = None

@@ -166,7 +166,8 @@ class TrainerSteps:
         spec = state.spec
         self.metrics.record_step(spec.job, spec.name, outcome)
         state.stats.record(key.step, outcome)
-        log.info("step done", extra={"event": "step_done", "job": spec.job, "tensor": spec.name, "step": key.step,
+        # DEBUG, not INFO: a JSON line per step cost 0.3 ms of the step; the metrics carry the same
+        log.debug("step done", extra={"event": "step_done", "job": spec.job, "tensor": spec.name, "step": key.step,
                                      "scheme": outcome.scheme, "nnz_in": outcome.nnz_in,
                                      "nnz_out": outcome.grad.nnz, "bytes_sent": outcome.bytes_sent,
                                      "seconds": round(outcome.seconds, 6)})
