@@ -11,8 +11,10 @@ of the job must call allreduce for the same names in the same order of steps.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +115,43 @@ class Client:
         assert r is not None  # allreduce returned: the step's reply is in
         entry.stats = StepStats(step, r.scheme, r.nnz, r.bytes_sent, r.bytes_received, r.dense_bytes, dict(r.phases))
         return self._as_output(out, kind, shape, tensor)
+
+    def allreduce_many(self, tensors: Sequence[torch.Tensor], *, names: Sequence[str], average: bool = False,
+                       timeout_s: float | None = None) -> list[torch.Tensor]:
+        """The sums of several row-sparse COO tensors in one step per kind (tensor fusion, as Horovod's).
+
+        A step costs the daemon a fixed 1-3 ms however small the tensor; fused, 32 small tensors pay
+        it once. Tensors of the same dtype, row shape and device are stacked into one tensor (rows
+        offset one after another) and synchronised in one step; the results are split back, in the
+        order given. Every trainer of the job must pass the same names, in the same order, with
+        the same shapes: the fused tensor is named after them.
+        """
+        if len(tensors) != len(names) or len(set(names)) != len(names):
+            raise InvalidGradient(f"allreduce_many: {len(tensors)} tensors for {len(names)} names, which must be "
+                                  "as many and distinct")
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, (t, name) in enumerate(zip(tensors, names, strict=True)):
+            if not isinstance(t, torch.Tensor) or not t.is_sparse or t.sparse_dim() != 1:
+                raise InvalidGradient(f"tensor {name!r}: allreduce_many takes row-sparse COO tensors (sparse_dim 1)")
+            groups.setdefault((t.dtype, tuple(t.shape[1:]), t.device), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for members in groups.values():
+            parts = [tensors[i] for i in members]
+            offsets = [0]
+            for t in parts:
+                offsets.append(offsets[-1] + t.shape[0])
+            indices = torch.cat([t._indices()[0] + off for t, off in zip(parts, offsets, strict=False)])
+            values = torch.cat([t._values() for t in parts])
+            key = "\0".join(f"{names[i]}:{list(tensors[i].shape)}" for i in members)
+            fused = f"fused:{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+            rows, vals = self.allreduce((indices, values), name=fused, num_rows=offsets[-1], average=average,
+                                        timeout_s=timeout_s)
+            cuts = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()  # rows come sorted
+            for j, (i, t) in enumerate(zip(members, parts, strict=True)):
+                lo, hi = cuts[j], cuts[j + 1]
+                out[i] = torch.sparse_coo_tensor((rows[lo:hi] - offsets[j]).unsqueeze(0), vals[lo:hi], t.shape,
+                                                 is_coalesced=True, check_invariants=False)
+        return [t for t in out if t is not None]
 
     def last_stats(self, name: str) -> StepStats | None:
         """The daemon's figures for tensor `name`'s last completed step (None before its first)."""

@@ -132,3 +132,39 @@ def test_all_tensor_kinds_over_threads_on_one_node(fresh_cluster):
     results = run_all([lambda r=r: trainer(r) for r in range(2)])
     assert all(not isinstance(r, BaseException) for r in results), results
     assert results[0] == results[1]
+
+
+def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
+    """Tensor fusion: tensors of one kind in one step, split back; the same as one step each."""
+    def tensors(node: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(node)
+
+        def sparse(rows: int, shape: tuple[int, ...], dtype: torch.dtype, present: int) -> torch.Tensor:
+            idx = torch.randperm(rows, generator=g)[:present].unsqueeze(0)
+            return torch.sparse_coo_tensor(idx, torch.randn(present, *shape, generator=g).to(dtype), (rows, *shape),
+                                           check_invariants=True)
+
+        return [sparse(10, (4,), torch.float32, 3), sparse(7, (4,), torch.float32, 7),
+                sparse(5, (2,), torch.float32, 2), sparse(9, (4,), torch.bfloat16, 4),
+                sparse(3, (4,), torch.float32, 0)]
+
+    names = ["a", "b", "c", "d", "e"]
+
+    def trainer(node: int):  # type: ignore[no-untyped-def]
+        with zen.Client(cluster2.socket_dir(node), job="fused", token=cluster2.token("fused")) as client:
+            fused = client.allreduce_many(tensors(node), names=names)
+            one_by_one = [client.allreduce(t, name=f"single-{n}") for t, n in zip(tensors(node), names, strict=True)]
+            return fused, one_by_one, client.last_stats(names[0])
+
+    results = run_all([lambda n=n: trainer(n) for n in range(2)])
+    assert all(not isinstance(r, BaseException) for r in results), results
+    expected = [sum(tensors(n)[i].to_dense().float() for n in range(2)) for i in range(len(names))]
+    for fused, one_by_one, stats in results:
+        assert stats is None  # the members were never synchronised under their own names
+        for i, (f, single) in enumerate(zip(fused, one_by_one, strict=True)):
+            assert f.shape == tensors(0)[i].shape and f.dtype == tensors(0)[i].dtype and f.is_coalesced()
+            torch.testing.assert_close(f.to_dense().float(), expected[i], rtol=2e-2, atol=2e-2)
+            assert torch.equal(f.to_dense(), single.to_dense())  # fused or not, the same bits
+    with zen.Client(cluster2.socket_dir(0), job="fused", token=cluster2.token("fused")) as client, \
+            pytest.raises(zen.InvalidGradient, match="distinct"):
+        client.allreduce_many(tensors(0)[:2], names=["x", "x"])
