@@ -67,12 +67,15 @@ def sync_gradients(model: nn.Module, client: Client, *, average: bool = True, to
                    prefix: str = "") -> None:
     """Sum (or average) every parameter's gradient across the job's trainers, all tensors at once.
 
-    Sparse gradients stay sparse; dense ones are summed densely, or top-k sparsified when
-    `topk` is given. Parameters without a gradient this step send an empty one (every trainer
-    must take part in every tensor's step), so a parameter unused on one trainer still gets
-    the others' gradient.
+    Sparse gradients stay sparse, fused into one step per dtype and row shape
+    (`Client.allreduce_many`: the daemon's fixed cost per step is paid once); dense ones are
+    summed densely, or top-k sparsified when `topk` is given, each in its own step, in flight
+    meanwhile. Parameters without a gradient this step send an empty one (every trainer must
+    take part in every tensor's step), so a parameter unused on one trainer still gets the
+    others' gradient.
     """
     futures = []
+    sparse: list[tuple[nn.Parameter, str, torch.Tensor]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -81,8 +84,15 @@ def sync_gradients(model: nn.Module, client: Client, *, average: bool = True, to
             grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64, device=p.device),
                                            torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
                                            p.shape) if _is_sparse_param(model, name) else torch.zeros_like(p)
+        if grad.is_sparse and grad.sparse_dim() == 1:
+            sparse.append((p, prefix + name, grad))
+            continue
         kwargs = {"topk": topk} if topk is not None and not grad.is_sparse else {}
         futures.append((p, client.allreduce_async(grad, name=prefix + name, average=average, **kwargs)))
+    if sparse:
+        sums = client.allreduce_many([g for _, _, g in sparse], names=[n for _, n, _ in sparse], average=average)
+        for (p, _, _), total in zip(sparse, sums, strict=True):
+            p.grad = total
     for p, fut in futures:
         p.grad = fut.wait()
 

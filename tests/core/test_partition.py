@@ -173,3 +173,13 @@ def test_compiled_split_matches_the_torch_twin(grad, n, min_slice):
     for a, b in zip(compiled, twin, strict=True):
         assert a.keys.dtype == b.keys.dtype and torch.equal(a.keys, b.keys)
         assert torch.equal(a.values, b.values)
+
+
+@given(st.lists(st.sets(st.integers(0, 10_000), max_size=60), min_size=1, max_size=16))
+def test_merging_sorted_runs_gives_their_union_and_every_key_its_slot(sets):
+    from zend.core import kernels
+
+    runs = [np.array(sorted(s), dtype=np.int64) for s in sets]
+    union, slot = kernels.merge_runs(runs)
+    assert union.tolist() == sorted(set().union(*sets))
+    assert np.array_equal(union[slot], np.concatenate(runs))

@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from zend.core import kernels
 
 # Below this many domain slots per key, marking keys in a table over the whole domain (two
 # linear passes) beats sorting them; above it the table is mostly empty and sorting wins.
@@ -32,6 +35,12 @@ def slot_keys(key_lists: Sequence[torch.Tensor], domain: int | None = None) -> K
     """The union of key sets (each unique within itself, in [0, domain) when `domain` is given)."""
     total = sum(k.numel() for k in key_lists)
     device = key_lists[0].device
+    if (device.type == "cpu" and kernels.available() and len(key_lists) <= kernels.MAX_MERGE_RUNS
+            and (domain is None or domain > 2 * total) and all(_ascending(k) for k in key_lists)):
+        # sorted sources (what the schemes send): merge them, no table over a sparse domain
+        union, slot = kernels.merge_runs([k.numpy().astype(np.int64, copy=False) for k in key_lists])
+        slots = torch.from_numpy(slot).split([k.numel() for k in key_lists])
+        return KeySlots(torch.from_numpy(union), list(slots))
     if domain is not None and domain <= _MARK_SLOTS_PER_KEY * max(total, 1):
         present = torch.zeros(domain, dtype=torch.int32, device=device)
         for k in key_lists:
@@ -46,6 +55,10 @@ def slot_keys(key_lists: Sequence[torch.Tensor], domain: int | None = None) -> K
         slots.append(inverse[start : start + k.numel()])
         start += k.numel()
     return KeySlots(unique, slots)
+
+
+def _ascending(keys: torch.Tensor) -> bool:
+    return keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all())
 
 
 def sum_into(acc: torch.Tensor, slots: KeySlots, values: Sequence[torch.Tensor], deterministic: bool) -> None:

@@ -75,9 +75,48 @@ def zen_split(rows: np.ndarray, n: int, s_count: int, multiplier: int, salt: int
 
 
 @_jit
+def _merge_runs(keys: Any, starts: Any, union: Any, slot: Any) -> int:
+    """Merge ascending runs keys[starts[r]:starts[r + 1]] into their sorted union (equal keys once);
+    slot[i] = position of keys[i] in the union. Returns the union's size. n comparisons per key:
+    for the few runs of a step (one per rank), cheaper than any table over the key space."""
+    runs = starts.shape[0] - 1
+    pos = starts[:-1].copy()
+    count = 0
+    last = -1
+    while True:
+        best = -1
+        best_key = 0
+        for r in range(runs):
+            if pos[r] < starts[r + 1]:
+                k = keys[pos[r]]
+                if best < 0 or k < best_key:
+                    best, best_key = r, k
+        if best < 0:
+            return count
+        if count == 0 or best_key != last:
+            union[count] = best_key
+            count += 1
+            last = best_key
+        slot[pos[best]] = count - 1
+        pos[best] += 1
+
+
+def merge_runs(runs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted union, slot of every key of every run, concatenated) of ascending int64 runs."""
+    keys = np.concatenate(runs) if runs else np.empty(0, dtype=np.int64)
+    starts = np.zeros(len(runs) + 1, dtype=np.int64)
+    np.cumsum([r.size for r in runs], out=starts[1:])
+    union, slot = np.empty(keys.size, dtype=np.int64), np.empty(keys.size, dtype=np.int64)
+    count = _merge_runs(keys, starts, union, slot)
+    return union[:count], slot
+
+
+@_jit
 def _zen_rows_of(keys: Any, part: int, n: int, s_count: int, multiplier: int, salt: int, num_rows: int,
                  present: Any, rows_out: Any, slices_out: Any) -> int:
-    """Decode partition `part`'s keys to (row, slice) and mark the rows; -1, or the first bad key's position."""
+    """Decode partition `part`'s keys to (row, slice) and mark the rows (if `present` has room for
+    them); -1, or the first bad key's position."""
+    mark = present.shape[0] > 0
     for u in range(keys.shape[0]):
         k = keys[u]
         b = k // s_count
@@ -86,7 +125,8 @@ def _zen_rows_of(keys: Any, part: int, n: int, s_count: int, multiplier: int, sa
         row = b * n + (part + 2 * n - s - h) % n
         if k < 0 or row >= num_rows:
             return u
-        present[row] = 1
+        if mark:
+            present[row] = 1
         rows_out[u] = row
         slices_out[u] = s
     return -1
@@ -107,6 +147,9 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
     partition's pulled keys and units. Units are integer views of the values (the kernel copies
     bits, so it serves every float type, bfloat16 included, which numpy lacks). Raises
     ValueError naming a key that decodes past the tensor, or a union whose slices do not add up."""
+    total = sum(k.size for k in keys)
+    if s_count == 1 and len(keys) <= MAX_MERGE_RUNS and num_rows > 2 * total:
+        return _zen_assemble_merged(keys, units, num_rows, n, multiplier, salt)
     present = np.zeros(num_rows, dtype=np.uint8)
     decoded = []
     for j, k in enumerate(keys):
@@ -117,7 +160,6 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
             raise ValueError(f"partition {j}: key {int(k[bad])} decodes outside the tensor's {num_rows} rows")
         decoded.append((rows, slices))
     union = np.flatnonzero(present)
-    total = sum(k.size for k in keys)
     if total != union.size * s_count:
         raise ValueError(f"{total} units pulled for {union.size} rows of {s_count} slices: "
                          "a slice is missing or repeated")
@@ -126,3 +168,26 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
     for (rows, slices), u in zip(decoded, units, strict=True):
         _place_units(rows, slices, position, s_count, u, out)
     return union, out
+
+
+MAX_MERGE_RUNS = 16  # a merge costs one comparison per run and key: beyond this, a table or a sort
+
+
+def _zen_assemble_merged(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int, n: int, multiplier: int,
+                         salt: int) -> tuple[np.ndarray, np.ndarray]:
+    """Whole-row units (S = 1) of a sparse union: every partition's rows ascend and no row is in two
+    partitions, so merging the runs orders them, with no pass over all the tensor's rows."""
+    none = np.zeros(0, dtype=np.uint8)
+    runs = []
+    for j, k in enumerate(keys):
+        rows, slices = np.empty(k.size, np.int64), np.empty(k.size, np.int64)
+        bad = _zen_rows_of(k.astype(np.int64, copy=False), j, n, 1, multiplier, salt, num_rows, none, rows, slices)
+        if bad >= 0:
+            raise ValueError(f"partition {j}: key {int(k[bad])} decodes outside the tensor's {num_rows} rows")
+        runs.append(rows)
+    union, slot = merge_runs(runs)
+    if union.size != slot.size:
+        raise ValueError(f"{slot.size} units pulled for {union.size} rows: a row is repeated")
+    order = np.empty(slot.size, dtype=np.int64)
+    order[slot] = np.arange(slot.size)  # output position -> input position
+    return union, np.concatenate(units)[order]
