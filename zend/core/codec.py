@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zend.core import dtypes
+from zend.core import dtypes, kernels
 
 MAGIC = b"ZN"
 VERSION = 1
@@ -111,6 +111,10 @@ def allocate_units(kind: Encoding, count: int, unit_width: int, domain: int, dty
 def write_bitmap(bitmap: torch.Tensor, keys: torch.Tensor, domain: int) -> None:
     """Set the bits of `keys` (unique, in [0, domain)) in the bitmap, clearing every other bit."""
     count = keys.numel()
+    if not bitmap.is_cuda and kernels.available():
+        bitmap.zero_()
+        kernels.set_bits(bitmap.numpy(), keys.numpy())
+        return
     if not bitmap.is_cuda and count * 16 >= domain:
         # dense enough: a byte mask packed by numpy is one pass over the domain, no scatter
         mask = np.zeros(bitmap.numel() * 8, dtype=np.bool_)

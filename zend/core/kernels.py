@@ -101,6 +101,18 @@ def _merge_runs(keys: Any, starts: Any, union: Any, slot: Any) -> int:
         pos[best] += 1
 
 
+@_jit
+def _set_bits(bitmap: Any, keys: Any) -> None:
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        bitmap[k >> 3] |= np.uint8(1 << (k & 7))
+
+
+def set_bits(bitmap: np.ndarray, keys: np.ndarray) -> None:
+    """OR the bits of `keys` into a uint8 bitmap, LSB first (codec's bitmap layout): one pass over the keys."""
+    _set_bits(bitmap, keys)
+
+
 def merge_runs(runs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(sorted union, slot of every key of every run, concatenated) of ascending int64 runs."""
     keys = np.concatenate(runs) if runs else np.empty(0, dtype=np.int64)
