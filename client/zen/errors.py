@@ -59,11 +59,6 @@ _BY_CODE["PERMISSION_DENIED"] = NotAuthorized
 def from_rpc_error(exc: grpc.RpcError, address: str) -> ZenError:
     code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return from_status(code, details, address)
-
-
-def from_status(code: str, details: str, address: str) -> ZenError:
-    """The typed error of a status code name and its message (from gRPC or from a step on the socket)."""
     cls = _BY_CODE.get(code, ZenError)
     if code == "UNAVAILABLE" and ("connect" in (details or "").lower() or "No such file" in (details or "")):
         details = f"no zend daemon answers at {address}: {details}"

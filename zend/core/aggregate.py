@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from zend.core import kernels
+from zend.core.sparse import ascending
 
 # Below this many domain slots per key, marking keys in a table over the whole domain (two
 # linear passes) beats sorting them; above it the table is mostly empty and sorting wins.
@@ -36,7 +37,7 @@ def slot_keys(key_lists: Sequence[torch.Tensor], domain: int | None = None) -> K
     total = sum(k.numel() for k in key_lists)
     device = key_lists[0].device
     if (device.type == "cpu" and kernels.available() and len(key_lists) <= kernels.MAX_MERGE_RUNS
-            and (domain is None or domain > 2 * total) and all(_ascending(k) for k in key_lists)):
+            and (domain is None or domain > 2 * total) and all(ascending(k) for k in key_lists)):
         # sorted sources (what the schemes send): merge them, no table over a sparse domain
         union, slot = kernels.merge_runs([k.numpy().astype(np.int64, copy=False) for k in key_lists])
         slots = torch.from_numpy(slot).split([k.numel() for k in key_lists])
@@ -55,10 +56,6 @@ def slot_keys(key_lists: Sequence[torch.Tensor], domain: int | None = None) -> K
         slots.append(inverse[start : start + k.numel()])
         start += k.numel()
     return KeySlots(unique, slots)
-
-
-def _ascending(keys: torch.Tensor) -> bool:
-    return keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all())
 
 
 def sum_into(acc: torch.Tensor, slots: KeySlots, values: Sequence[torch.Tensor], deterministic: bool) -> None:

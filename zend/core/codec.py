@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from zend.core import dtypes, kernels
+from zend.core.sparse import ascending
 
 MAGIC = b"ZN"
 VERSION = 1
@@ -115,24 +116,11 @@ def write_bitmap(bitmap: torch.Tensor, keys: torch.Tensor, domain: int) -> None:
         bitmap.zero_()
         kernels.set_bits(bitmap.numpy(), keys.numpy())
         return
-    if not bitmap.is_cuda and count * 16 >= domain:
-        # dense enough: a byte mask packed by numpy is one pass over the domain, no scatter
-        mask = np.zeros(bitmap.numel() * 8, dtype=np.bool_)
-        mask[keys.numpy()] = True
-        bitmap.numpy()[:] = np.packbits(mask, bitorder="little")
-        return
     bitmap.zero_()
     # keys are unique, so adding the bits of a byte is OR-ing them
     bit_values = torch.bitwise_left_shift(torch.ones(count, dtype=torch.uint8, device=keys.device),
                                           torch.bitwise_and(keys, 7).to(torch.uint8))
     bitmap.index_put_((torch.bitwise_right_shift(keys, 3).long(),), bit_values, accumulate=True)
-
-
-def _sorted_order(keys: torch.Tensor) -> torch.Tensor | None:
-    """None if keys already ascend, else the order that sorts them."""
-    if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):
-        return None
-    return torch.argsort(keys)
 
 
 def encode_gathered(keys: torch.Tensor, source: torch.Tensor, rows: torch.Tensor | None, domain: int,
@@ -142,11 +130,10 @@ def encode_gathered(keys: torch.Tensor, source: torch.Tensor, rows: torch.Tensor
     into the message: the values are copied once, from the gradient to the wire buffer."""
     count, width = keys.numel(), source.shape[1]
     kind = cheapest(count, width, domain, source.dtype, allowed)
-    if kind is Encoding.BITMAP and not keys_sorted:
-        order = _sorted_order(keys)
-        if order is not None:
-            keys = keys.index_select(0, order)
-            rows = order if rows is None else rows.index_select(0, order)
+    if kind is Encoding.BITMAP and not keys_sorted and not ascending(keys):
+        order = torch.argsort(keys)
+        keys = keys.index_select(0, order)
+        rows = order if rows is None else rows.index_select(0, order)
     msg = allocate_units(kind, count, width, domain, source.dtype, source.device, aux)
     if kind is Encoding.COO:
         msg.index.copy_(keys)
@@ -235,7 +222,7 @@ def decode_units(buf: torch.Tensor, unit_width: int, domain: int, dtype: torch.d
             lo, hi = int(keys.min()), int(keys.max())
             if lo < 0 or hi >= domain:
                 raise CodecError(f"key {lo if lo < 0 else hi} outside domain {domain}")
-            if keys_ascending and h.count > 1 and not bool((keys[1:] > keys[:-1]).all()):
+            if keys_ascending and not ascending(keys):
                 bad = int((keys[1:] <= keys[:-1]).nonzero()[0, 0]) + 1
                 raise CodecError(f"key {int(keys[bad])} at position {bad} does not ascend")
     else:

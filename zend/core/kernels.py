@@ -153,16 +153,13 @@ def _place_units(rows: Any, slices: Any, position: Any, s_count: int, units: Any
             out[dst, c] = units[u, c]
 
 
-def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int, n: int, s_count: int,
-                 multiplier: int, salt: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of the union (ascending) and their units, (rows * s_count, unit width), from every
-    partition's pulled keys and units. Units are integer views of the values (the kernel copies
-    bits, so it serves every float type, bfloat16 included, which numpy lacks). Raises
-    ValueError naming a key that decodes past the tensor, or a union whose slices do not add up."""
-    total = sum(k.size for k in keys)
-    if s_count == 1 and len(keys) <= MAX_MERGE_RUNS and num_rows > 2 * total:
-        return _zen_assemble_merged(keys, units, num_rows, n, multiplier, salt)
-    present = np.zeros(num_rows, dtype=np.uint8)
+MAX_MERGE_RUNS = 16  # a merge costs one comparison per run and key: beyond this, a table or a sort
+
+
+def _decode_rows(keys: list[np.ndarray], num_rows: int, n: int, s_count: int, multiplier: int, salt: int,
+                 present: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(rows, slices) of every partition's keys, marking the rows in `present` unless it is empty;
+    ValueError naming a key that decodes past the tensor."""
     decoded = []
     for j, k in enumerate(keys):
         rows, slices = np.empty(k.size, np.int64), np.empty(k.size, np.int64)
@@ -171,6 +168,30 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
         if bad >= 0:
             raise ValueError(f"partition {j}: key {int(k[bad])} decodes outside the tensor's {num_rows} rows")
         decoded.append((rows, slices))
+    return decoded
+
+
+def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int, n: int, s_count: int,
+                 multiplier: int, salt: int, merge: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the union (ascending) and their units, (rows * s_count, unit width), from every
+    partition's pulled keys and units. Units are integer views of the values (the kernel copies
+    bits, so it serves every float type, bfloat16 included, which numpy lacks).
+
+    `merge` (whole-row units, S = 1, of a sparse union): every partition's rows ascend and no row
+    is in two partitions, so merging the runs orders them with no pass over all the tensor's
+    rows; otherwise the rows are marked in a table over them. Raises ValueError naming a key
+    that decodes past the tensor, or a union whose units do not add up."""
+    total = sum(k.size for k in keys)
+    if merge:
+        decoded = _decode_rows(keys, num_rows, n, 1, multiplier, salt, np.zeros(0, dtype=np.uint8))
+        union, slot = merge_runs([rows for rows, _ in decoded])
+        if union.size != slot.size:
+            raise ValueError(f"{slot.size} units pulled for {union.size} rows: a row is repeated")
+        order = np.empty(slot.size, dtype=np.int64)
+        order[slot] = np.arange(slot.size)  # output position -> input position
+        return union, np.concatenate(units)[order]
+    present = np.zeros(num_rows, dtype=np.uint8)
+    decoded = _decode_rows(keys, num_rows, n, s_count, multiplier, salt, present)
     union = np.flatnonzero(present)
     if total != union.size * s_count:
         raise ValueError(f"{total} units pulled for {union.size} rows of {s_count} slices: "
@@ -180,26 +201,3 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
     for (rows, slices), u in zip(decoded, units, strict=True):
         _place_units(rows, slices, position, s_count, u, out)
     return union, out
-
-
-MAX_MERGE_RUNS = 16  # a merge costs one comparison per run and key: beyond this, a table or a sort
-
-
-def _zen_assemble_merged(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int, n: int, multiplier: int,
-                         salt: int) -> tuple[np.ndarray, np.ndarray]:
-    """Whole-row units (S = 1) of a sparse union: every partition's rows ascend and no row is in two
-    partitions, so merging the runs orders them, with no pass over all the tensor's rows."""
-    none = np.zeros(0, dtype=np.uint8)
-    runs = []
-    for j, k in enumerate(keys):
-        rows, slices = np.empty(k.size, np.int64), np.empty(k.size, np.int64)
-        bad = _zen_rows_of(k.astype(np.int64, copy=False), j, n, 1, multiplier, salt, num_rows, none, rows, slices)
-        if bad >= 0:
-            raise ValueError(f"partition {j}: key {int(k[bad])} decodes outside the tensor's {num_rows} rows")
-        runs.append(rows)
-    union, slot = merge_runs(runs)
-    if union.size != slot.size:
-        raise ValueError(f"{slot.size} units pulled for {union.size} rows: a row is repeated")
-    order = np.empty(slot.size, dtype=np.int64)
-    order[slot] = np.arange(slot.size)  # output position -> input position
-    return union, np.concatenate(units)[order]

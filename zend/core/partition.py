@@ -191,8 +191,10 @@ class ZenPartitioner(Partitioner):
         total = sum(p.count for p in parts)
         s_count, width = self.slices, self.unit_width
         marking = self.num_rows <= _MARK_ROWS_PER_UNIT * max(total, 1)
-        if marking and device.type == "cpu" and kernels.available() and parts:
-            return self._assemble_compiled(parts, template)
+        # whole-row units of a sparse union: merge the partitions' ascending rows, no table over all rows
+        merge = s_count == 1 and len(parts) <= kernels.MAX_MERGE_RUNS and self.num_rows > 2 * total
+        if (marking or merge) and device.type == "cpu" and kernels.available() and parts:
+            return self._assemble_compiled(parts, template, merge)
         decoded = [self.rows_of(j, p.keys) for j, p in enumerate(parts)]
         for j, (r, _) in enumerate(decoded):
             if r.numel() and int(r.max()) >= self.num_rows:
@@ -227,11 +229,11 @@ class ZenPartitioner(Partitioner):
         torch.index_select(torch.cat(values), 0, source_of, out=out)
         return self._result(union, out, template)
 
-    def _assemble_compiled(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
+    def _assemble_compiled(self, parts: Sequence[Part], template: SparseGrad, merge: bool) -> SparseGrad:
         bits = _BITS_OF[template.values.element_size()]
         union, out = kernels.zen_assemble(
             [p.keys.numpy() for p in parts], [p.values.view(bits).numpy() for p in parts], self.num_rows,
-            self.num_parts, self.slices, self.hash.multiplier, self.hash.salt)
+            self.num_parts, self.slices, self.hash.multiplier, self.hash.salt, merge)
         return self._result(torch.from_numpy(union), torch.from_numpy(out).view(template.dtype), template)
 
     @staticmethod

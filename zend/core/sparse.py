@@ -24,6 +24,11 @@ class SparseGradError(ValueError):
     """A gradient that zen cannot synchronise; the message names the tensor and the value."""
 
 
+def ascending(keys: torch.Tensor) -> bool:
+    """Strictly ascending (so also unique): what sorted, coalesced indices and keys promise."""
+    return keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all())
+
+
 @dataclass(frozen=True)
 class SparseGrad:
     """Rows `indices` of a (num_rows, *row_shape) tensor, with their `values`.
@@ -134,7 +139,7 @@ class SparseGrad:
         idx = self.indices.to(torch.int64)
         if self.nnz == 0:
             return SparseGrad(idx, self.values, self.num_rows, self.name, True)
-        if bool((idx[1:] > idx[:-1]).all()):
+        if ascending(idx):
             return SparseGrad(idx, self.values, self.num_rows, self.name, True)
         order = torch.sort(idx, stable=True).indices
         sorted_idx = idx[order]

@@ -21,7 +21,6 @@ import torch
 from zend.core import costmodel
 from zend.core.codec import Encoding, encoded_size
 from zend.core.partition import BlockRangePartitioner, RowRangePartitioner, ZenPartitioner
-from zend.core.schemes.dense import PIECE_BYTES
 from zend.core.schemes.parallel import BOTH, COO_ONLY
 from zend.core.sparse import SparseGrad
 
@@ -155,7 +154,6 @@ def dense_traffic(n: int, num_rows: int, row_len: int, dtype: torch.dtype) -> Tr
     elements = num_rows * row_len
     chunk = np.array([c.numel() for c in torch.tensor_split(torch.empty(elements, dtype=torch.uint8), n)])
     item = torch.empty(0, dtype=dtype).element_size()
-    assert PIECE_BYTES > 0  # pieces change the message count, not the bytes
     sent = np.array([sum(int(chunk[(me - s) % n]) + int(chunk[(me + 1 - s) % n]) for s in range(n - 1))
                      for me in range(n)], dtype=np.int64) * item
     return Traffic(sent, np.roll(sent, 1), "dense")
