@@ -20,6 +20,10 @@ from zend.cluster.local import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class RankCrashed(AssertionError):
+    """A rank died by a signal (returncode < 0); its Python stack, if any, is in the message (faulthandler)."""
+
+
 def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300) -> list[str]:  # type: ignore[no-untyped-def]
     """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones); return their outputs."""
     from zend.cluster.launcher import rank_env
@@ -29,13 +33,15 @@ def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeou
     for node in range(cluster.nodes):
         for local in range(per_node):
             env = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
-                   "PYTHONPATH": str(ROOT)}
+                   "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # a crash prints its stack
             procs.append(subprocess.Popen([sys.executable, *script], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout_s)
+            if p.returncode < 0:
+                raise RankCrashed(f"rank died by signal {-p.returncode}:\n{err[-3000:]}")
             assert p.returncode == 0, f"rank failed:\n{err[-3000:]}"
             outs.append(out)
     finally:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
 
-from tests.client.test_client import ROOT, launch_ranks
+from tests.client.test_client import ROOT, RankCrashed, launch_ranks
 from zend.cluster.local import LocalCluster
 
 STEPS = 50
@@ -27,6 +28,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
+def reference_run(cluster: LocalCluster, command: list[str]) -> list[str]:
+    """torch's own DDP + gloo, the reference the zen run is compared with. It crashed once in CI with
+    SIGSEGV inside torch (no zen code runs in those processes; 16 reruns here were clean): a reference
+    rank that dies by a signal gets one more run, and the warning says so. zen's run is never retried."""
+    try:
+        return launch_ranks(cluster, command, "recsys", per_node=2, timeout_s=300)
+    except RankCrashed as crash:
+        warnings.warn(f"the DDP+gloo reference crashed, run again: {crash}", stacklevel=1)
+        return launch_ranks(cluster, command, "recsys", per_node=2, timeout_s=300)
+
+
 def test_recsys_example_same_loss_with_zen_and_with_ddp_gloo(cluster: LocalCluster) -> None:
     """4 ranks (2 nodes x 2), 50 steps, same seed: rank 0's loss agrees at every step, and falls."""
     check = subprocess.run([sys.executable, str(ROOT / "scripts/fetch_movielens.py"), "--check"],
@@ -38,7 +50,7 @@ def test_recsys_example_same_loss_with_zen_and_with_ddp_gloo(cluster: LocalClust
     args = ["--steps", str(STEPS), "--batch", "32", "--dim", "8", "--hidden", "16", "--seed", "3", "--json"]
     script = [str(ROOT / "examples/recsys.py")]
     zen_out = launch_ranks(cluster, [*script, "--backend", "zen", *args], "recsys", per_node=2, timeout_s=300)
-    gloo_out = launch_ranks(cluster, [*script, "--backend", "gloo", *args], "recsys", per_node=2, timeout_s=300)
+    gloo_out = reference_run(cluster, [*script, "--backend", "gloo", *args])
     zen_rows, gloo_rows = ([json.loads(line) for line in out[0].splitlines() if line.startswith("{")]
                            for out in (zen_out, gloo_out))  # rank 0's
     zen_losses, gloo_losses = [r["loss"] for r in zen_rows], [r["loss"] for r in gloo_rows]
