@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,13 +32,29 @@ def topk_grad(rank: int, step: int, elements: int, density: float = 0.01) -> Spa
     return TopKCompressor(density).compress("topk", dense)
 
 
+def time_commit(transport: Any, steps: int) -> dict[str, float]:
+    """The two one-byte all-to-all rounds every daemon step ends with, as NodeSteps runs them."""
+    from zend.daemon.node_steps import NodeSteps  # only here: the schemes' rows run without the daemon loaded
+
+    node = NodeSteps(transport, 120.0)
+    times, cpu = [], []
+    for step in range(steps):
+        barrier(transport, f"b/commit/{step}")
+        start, cpu_start = time.perf_counter(), time.process_time()
+        node.commit(Channel(transport, f"commit/{step}", timeout_s=120), time.monotonic())
+        if step:
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
+    return {"seconds": sorted(times)[len(times) // 2], "sent": 0, "recv": 0, "cpu": sorted(cpu)[len(cpu) // 2]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--uri", required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master", required=True, help="host:port for torch.distributed gloo")
-    p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense,auto")
+    p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense,auto,commit")
     p.add_argument("--workload", default="rows", choices=["rows", "topk"])
     p.add_argument("--topk-elements", type=int, default=25_000_000)
     p.add_argument("--dim", type=int, default=64)
@@ -58,6 +75,9 @@ def main() -> None:
     transport.connect(peers)
     results: dict[str, dict[str, float]] = {}
     for name in args.schemes.split(","):
+        if name == "commit":  # not a scheme: the daemon's step commit alone (NodeSteps.commit)
+            results[name] = time_commit(transport, len(grads))
+            continue
         scheme = make_scheme(name, seed=1)
         times, sent, recv = [], [], []
         if isinstance(scheme, AutoScheme):  # its profile and trials first: the table shows its choice

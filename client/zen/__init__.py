@@ -14,6 +14,7 @@ from zen.errors import (
     NotRegistered,
     OutOfOrder,
     OutOfResources,
+    StepAborted,
     StepTimeout,
     ZenError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "NotRegistered",
     "OutOfOrder",
     "OutOfResources",
+    "StepAborted",
     "StepStats",
     "StepTimeout",
     "ZenError",

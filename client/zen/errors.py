@@ -41,6 +41,15 @@ class StepTimeout(ZenError, TimeoutError):
     code = "DEADLINE_EXCEEDED"
 
 
+class StepAborted(ZenError):
+    """The step failed somewhere (a node or a trainer lost, a peer slower than the step timeout) and
+    every node aborted it: no trainer of the job got a result for it. The message names the lost node
+    or trainer and the step. The training loop decides: submit the same step again, from the same
+    state, once the job is whole again; or stop."""
+
+    code = "ABORTED"
+
+
 class DaemonUnavailable(ZenError, ConnectionError):
     """No daemon at the address, a peer node lost, the daemon draining or gone mid-step."""
 
@@ -52,7 +61,8 @@ class OutOfResources(ZenError):
 
 
 _BY_CODE: dict[str, type[ZenError]] = {cls.code: cls for cls in (
-    InvalidGradient, NotRegistered, OutOfOrder, NotAuthorized, StepTimeout, DaemonUnavailable, OutOfResources)}
+    InvalidGradient, NotRegistered, OutOfOrder, NotAuthorized, StepTimeout, StepAborted, DaemonUnavailable,
+    OutOfResources)}
 _BY_CODE["PERMISSION_DENIED"] = NotAuthorized
 
 

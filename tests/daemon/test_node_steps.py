@@ -198,7 +198,7 @@ def test_a_trainer_that_leaves_fails_its_partners_step_at_once() -> None:
     node.trainer_steps.session_closed(leave)
     t.join(10)
     (err,) = outcome
-    assert isinstance(err, StepError) and err.code == codes.UNAVAILABLE and "local rank 1" in err.message
+    assert isinstance(err, StepError) and err.code == codes.ABORTED and "local rank 1" in err.message
 
 
 def test_steps_are_refused_until_the_node_has_joined_and_after_it_drains() -> None:

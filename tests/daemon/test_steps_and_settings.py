@@ -47,12 +47,26 @@ def test_a_departed_trainer_fails_the_unstarted_steps_of_its_job_only():
     table = StepTable()
     waiting, _ = table.join(StepKey("j", 1, 1), 0, "alive", "p", expected=2)  # waits for local rank 1
     other, _ = table.join(StepKey("k", 2, 1), 0, "alive", "p", expected=2)
-    failed = table.abandon("j", StepError(codes.UNAVAILABLE, "trainer gone"))
-    assert failed == [waiting] and waiting.error is not None and waiting.error.code == codes.UNAVAILABLE
+    failed = table.abandon("j", lambda s: StepError(codes.ABORTED, "trainer gone"))
+    assert failed == [waiting] and waiting.error is not None and waiting.error.code == codes.ABORTED
     assert not other.done.is_set() and table.in_flight() == 1
     # a failure before the start is not final: the step can be submitted again
     retry, _ = table.join(StepKey("j", 1, 1), 1, "alive", "p", expected=2)
-    assert retry is not waiting
+    assert retry is not waiting and (waiting.attempt, retry.attempt) == (0, 1)  # its messages are tagged apart
+
+
+def test_a_failed_step_is_a_new_attempt_and_a_success_forgets_the_count():
+    table = StepTable()
+    key = StepKey("j", 1, 5)
+    for attempt in range(3):
+        step, start = table.join(key, 0, "s", "p", expected=1)
+        assert start and step.attempt == attempt
+        table.finish(step, error=StepError(codes.ABORTED, "node 2 lost"))
+    step, _ = table.join(key, 0, "s", "p", expected=1)
+    table.finish(step, result="sum")
+    again, start = table.join(key, 0, "s", "p", expected=1)
+    assert again is step and not start and again.result == "sum"  # a repeat after success: the same answer
+    assert table.entries() == 1  # the attempt count is gone, the last result kept
 
 
 def test_steps_expire_when_a_trainer_never_comes():

@@ -98,6 +98,17 @@ class Worker:
     def buffered(self, src: int) -> dict:
         return {"bytes": self.t.peers[src].buffered}
 
+    def links(self) -> dict:
+        return {"up": {str(j): p.link is not None for j, p in self.t.peers.items()},
+                "connects": {str(j): p.connects for j, p in self.t.peers.items()}}
+
+    def abort(self, prefix: str, reason: str) -> dict:
+        self.t.abort(prefix, reason)
+        return {}
+
+    def mailbox(self) -> dict:
+        return {"bytes": self.t.mailbox_bytes(), "dropped": self.t.dropped_messages}
+
     def pool(self) -> dict:
         return {"stats": vars(self.t.receive_pool.stats)}
 

@@ -119,10 +119,14 @@ class LocalCluster:
             return "(no log)"
 
     def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs[node]
+        """Signal node's daemon (its process group) and wait for it to end."""
+        self.send_signal(node, sig)
+        self.procs[node].wait(30)
+
+    def send_signal(self, node: int, sig: int) -> None:
+        """Signal node's daemon and return (SIGSTOP / SIGCONT: freeze and thaw it)."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        proc.wait(30)
+            os.killpg(self.procs[node].pid, sig)
 
     def close(self) -> None:
         for proc in self.procs.values():

@@ -23,6 +23,15 @@ class CommTimeout(CommError):
     """The peer is still connected but its message did not come in time (it may be slow, not gone)."""
 
 
+class CommAborted(CommError):
+    """The messages under a tag prefix were voided (a step failed here or on a peer); `code` is the
+    originator's status name, the message its reason."""
+
+    def __init__(self, message: str, code: str = "ABORTED"):
+        super().__init__(message)
+        self.code = code
+
+
 class Communicator(ABC):
     """Point-to-point messaging among `world_size` ranks.
 
@@ -39,6 +48,18 @@ class Communicator(ABC):
 
     @abstractmethod
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor: ...
+
+    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
+        """Void every message whose tag starts with `prefix` (one step's tags), here and on every
+        peer: pending and later recvs and sends of such tags raise CommAborted(reason, code), and
+        their messages are dropped, buffered or yet to come. Idempotent. A communicator that cannot
+        (one node: nobody to tell) ignores it."""
+        return None
+
+    def stalled_since(self, since: float) -> float | None:
+        """How long this process stood still (SIGSTOP, swap, a long pause) after monotonic time
+        `since`, if long enough that peers may have declared it lost; else None."""
+        return None
 
 
 def barrier(comm: Communicator, tag: str, timeout_s: float | None = None) -> None:

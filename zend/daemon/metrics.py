@@ -189,3 +189,9 @@ class _CountingCommunicator(Communicator):
         payload = self.inner.recv(src, tag, timeout_s)
         self.metrics.bytes_received.labels(peer=str(src)).inc(payload.numel() * payload.element_size())
         return payload
+
+    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
+        self.inner.abort(prefix, reason, code)
+
+    def stalled_since(self, since: float) -> float | None:
+        return self.inner.stalled_since(since)

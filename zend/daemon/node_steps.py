@@ -4,6 +4,15 @@ Written against a Communicator and plain values (a TensorState, the parts, a Ste
 gRPC and no buffers, so it runs the same over the daemons' data plane and over an
 InProcessCluster in the tests. Every failure comes out as one StepError, which the caller
 hands to every trainer waiting for the step.
+
+Every node the same outcome: a node delivers a step only after the *commit* (`commit`, two
+tiny all-to-all rounds after the scheme: 2 x (n - 1) one-byte messages each way per node). A
+node whose step fails anywhere aborts it on every node (`Communicator.abort`, the reason and
+status travelling with it), so every trainer of the step, on every node, gets the same error
+and nobody delivers. A node that itself stood still long enough for its peers to declare it
+lost (SIGSTOP, swap) before its vote left aborts rather than vote: its peers gave up on it.
+What remains: a link cut between two live nodes during the commit (a partition) can split
+them, and a pause falling in the few instructions between a vote's send and the check after it.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zend.core import costmodel
-from zend.core.comm import Channel, CommError, CommTimeout, Communicator
+from zend.core.comm import Channel, CommAborted, CommError, CommTimeout, Communicator
 from zend.core.schemes import SyncResult
 from zend.core.sparse import SparseGrad, SparseGradError
 from zend.daemon import errors as codes
@@ -42,7 +51,7 @@ class StepOutcome:
     mean_input_rows: float | None  # cluster-wide mean of rows per node, when the scheme knows it
     push_load_imbalance: float
     pull_imbalance: float
-    phases: dict[str, float] = field(default_factory=dict)  # seconds: wait, local_sum, agree, exchange
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: wait, local_sum, agree, exchange, commit
 
     @property
     def seconds(self) -> float:
@@ -74,18 +83,27 @@ class NodeSteps:
     def world_size(self) -> int:
         return self.comm.world_size
 
-    def run(self, state: TensorState, key: StepKey, parts: Sequence[SparseGrad], waited_s: float = 0.0
-            ) -> StepOutcome:
-        """The step's outcome from the local parts (in local-rank order); StepError on any failure."""
+    def run(self, state: TensorState, key: StepKey, parts: Sequence[SparseGrad], waited_s: float = 0.0,
+            attempt: int = 0) -> StepOutcome:
+        """The step's outcome from the local parts (in local-rank order); StepError on any failure,
+        after which every node aborts the step."""
         try:
-            return self._run(state, key, parts, waited_s)
+            return self._run(state, key, parts, waited_s, attempt)
         except Exception as exc:
-            raise as_step_error(exc, f"step {key.step} of tensor {state.spec.name!r}") from None
+            err = as_step_error(exc, f"step {key.step} of tensor {state.spec.name!r}", self.comm.rank)
+            self.comm.abort(sync_prefix(key, attempt), err.message, err.code)
+            raise err from None
 
-    def _run(self, state: TensorState, key: StepKey, parts: Sequence[SparseGrad], waited_s: float) -> StepOutcome:
+    def abort(self, key: StepKey, attempt: int, error: StepError) -> None:
+        """Abort a step that failed here before it ran (a trainer lost, or late): on every node."""
+        self.comm.abort(sync_prefix(key, attempt), error.message, error.code)
+
+    def _run(self, state: TensorState, key: StepKey, parts: Sequence[SparseGrad], waited_s: float,
+             attempt: int) -> StepOutcome:
         spec = state.spec
         phases: dict[str, float] = {"wait": waited_s}
-        sync_id = f"{job_key(key.job)}/{key.tensor_id}/{key.step}"  # tags of this step only
+        started = time.monotonic()
+        sync_id = sync_prefix(key, attempt).rstrip("/")  # tags of this attempt of this step only
         with state.lock:  # one step of a tensor at a time, in step order
             t = time.perf_counter()
             grad = local_sum(spec, parts)
@@ -98,7 +116,54 @@ class NodeSteps:
             t = time.perf_counter()
             result = state.scheme.sync(Channel(self.comm, sync_id, self.timeout_s), grad, average=False)
             phases["exchange"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self.commit(Channel(self.comm, sync_id, self.timeout_s), started)
+            phases["commit"] = time.perf_counter() - t
         return self._outcome(state, grad, result, phases)
+
+    def commit(self, channel: Channel, started: float) -> None:
+        """Return once every node holds the result and none aborted; raise (the step aborts) otherwise.
+
+        Round 1: "I have it" to every node, and wait for every node's. Round 2: "I have every
+        node's", and wait for every node's, where a node lost in round 2 no longer counts (it had
+        the result: its round-1 word says so); a node that lacked a round-1 word aborts the step
+        everywhere instead. So with nodes that stop (crash, kill), the survivors all deliver or all
+        abort, wherever the stop falls."""
+        if self.world_size == 1:
+            return
+        stood_still = self.comm.stalled_since(started)
+        if stood_still is None:
+            before = time.monotonic()
+            self._all_send(channel, "have")
+            stood_still = self.comm.stalled_since(before)  # a pause before our word left: peers gave up
+        if stood_still is not None:
+            raise StepError(codes.ABORTED, f"node {self.comm.rank} stood still for {stood_still:.1f} s during "
+                                           "the step: its peers may have declared it lost")
+        for j in self._others():
+            channel.recv(j, "have")
+        self._all_send(channel, "all", tolerate_lost=True)
+        for j in self._others():  # a lost node's word may still be here: take it, leave nothing behind
+            try:
+                channel.recv(j, "all")
+            except (CommAborted, CommTimeout):
+                raise
+            except CommError as exc:  # lost after it said it has the result
+                log.warning("node %d lost during the commit of %s, after its vote: %s", j, channel.sync_id, exc)
+
+    def _others(self) -> list[int]:
+        return [j for j in range(self.world_size) if j != self.comm.rank]
+
+    def _all_send(self, channel: Channel, phase: str, tolerate_lost: bool = False) -> None:
+        """One byte to every other node; a lost one is skipped if tolerate_lost, else raises."""
+        word = torch.ones(1, dtype=torch.uint8)
+        for j in self._others():
+            try:
+                channel.send(j, phase, word)
+            except CommAborted:
+                raise
+            except CommError:
+                if not tolerate_lost:
+                    raise
 
     def _outcome(self, state: TensorState, grad: SparseGrad, result: SyncResult, phases: dict[str, float]
                  ) -> StepOutcome:
@@ -111,15 +176,24 @@ class NodeSteps:
                            result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases)
 
 
-def as_step_error(exc: Exception, where: str) -> StepError:
-    """The status every trainer of a failed step gets: a lost peer, a timeout, bad data, or a bug."""
+def sync_prefix(key: StepKey, attempt: int) -> str:
+    """The tag prefix of one attempt of one step (what an abort voids)."""
+    return f"{job_key(key.job)}/{key.tensor_id}/{key.step}/{attempt}/"
+
+
+def as_step_error(exc: Exception, where: str, node: int) -> StepError:
+    """The status every trainer of a failed step gets: a lost peer, a timeout, bad data, or a bug.
+    Failures across nodes are ABORTED (every node aborts the step; it may be submitted again)."""
     if isinstance(exc, StepError):
         return exc
+    if isinstance(exc, CommAborted):  # another node aborted it: its status and reason, as they are
+        return StepError(exc.code, str(exc))
     if isinstance(exc, CommTimeout):
-        return StepError(codes.DEADLINE_EXCEEDED, f"{where}: {exc}")
+        return StepError(codes.ABORTED, f"{where} aborted on node {node}: a peer is alive but slower than the "
+                                        f"step timeout: {exc}")
     if isinstance(exc, CommError):
-        return StepError(codes.UNAVAILABLE, f"{where}: peer node lost: {exc}")
+        return StepError(codes.ABORTED, f"{where} aborted on node {node}: peer node lost: {exc}")
     if isinstance(exc, SparseGradError | ValueError):
         return StepError(codes.INVALID_ARGUMENT, f"{where}: {exc}")
     log.error("internal error in %s", where, exc_info=exc)
-    return StepError(codes.INTERNAL, f"{where}: internal error {type(exc).__name__}: {exc}")
+    return StepError(codes.INTERNAL, f"{where} on node {node}: internal error {type(exc).__name__}: {exc}")

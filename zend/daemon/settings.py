@@ -49,7 +49,7 @@ class Settings:
     reprofile_every: int = 50
     # time bounds
     step_timeout_s: float = 300.0        # a step waiting for its node's trainers or for peers
-    peer_timeout_s: float = 30.0         # a silent peer is declared lost after this
+    peer_timeout_s: float = 5.0          # a peer that sends nothing, not even heartbeats, is lost after this
     connect_timeout_s: float = 120.0     # all peers must be connected at start within this
     drain_timeout_s: float = 30.0
     claim_timeout_s: float = 60.0        # an opened session must connect its buffer socket within this
@@ -155,6 +155,8 @@ def validate(s: Settings) -> None:
     for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s", "claim_timeout_s"):
         if getattr(s, name) <= 0:
             raise bad(name, "must be positive")
+    if s.peer_timeout_s < 0.2:
+        raise bad("peer_timeout_s", "must be at least 0.2 s (heartbeats go every tenth of it)")
     if s.threads < 0:
         raise bad("threads", "must be 0 (a quarter of the cores) or more")
     for name in ("grpc_workers", "max_session_bytes", "max_pool_bytes", "min_slice_width", "reprofile_every"):

@@ -4,6 +4,10 @@ Pure bookkeeping (no I/O, no gRPC): a step of a tensor opens when its first trai
 starts when all `expected` local trainers have, and ends with a result or an error that every
 submitter receives. A repeated submission joins the same step (idempotent); the last finished
 step of each tensor is kept so that a late repeat still gets its result.
+
+A step that failed may be submitted again: that is a new *attempt* of it (a number every node
+counts alike, since every node aborts a failed step), and its messages are tagged with it, so
+nothing of the failed attempt can mix into the new one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class StepKey:
 class Step:
     key: StepKey
     expected: int
+    attempt: int = 0  # how many times this step failed before (on every node alike)
     opened_at: float = field(default_factory=time.monotonic)
     parts: dict[int, Any] = field(default_factory=dict)  # local rank -> that trainer's gradient
     sessions: dict[int, str] = field(default_factory=dict)  # local rank -> session id
@@ -45,7 +50,8 @@ class StepTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[StepKey, Step] = {}
-        self._last: dict[tuple[str, int], Step] = {}  # (job, tensor) -> last finished step
+        self._last: dict[tuple[str, int], Step] = {}  # (job, tensor) -> last step that succeeded
+        self._attempts: dict[StepKey, int] = {}  # failed attempts of steps not yet succeeded
 
     def join(self, key: StepKey, local_rank: int, session: str, part: Any, expected: int) -> tuple[Step, bool]:
         """File a trainer's part; returns the step and whether this call completed it (start it now)."""
@@ -63,7 +69,7 @@ class StepTable:
                         raise StepError(FAILED_PRECONDITION,
                                         f"step {key.step} of tensor {key.tensor_id} arrived after step "
                                         f"{other.key.step} opened; steps of a tensor must come in order")
-                step = self._open[key] = Step(key, expected)
+                step = self._open[key] = Step(key, expected, self._attempts.get(key, 0))
             if step.expected != expected:
                 raise StepError(FAILED_PRECONDITION, f"local world size {expected} differs from {step.expected} "
                                                      f"given by the other trainers of step {key.step}")
@@ -81,17 +87,23 @@ class StepTable:
             step.result, step.error = result, error
             step.parts = {}  # drop the views into trainers' buffers
             self._open.pop(step.key, None)
-            if error is None or step.started:
+            if error is None:
                 self._last[(step.key.job, step.key.tensor_id)] = step
+                done = step.key
+                for key in [k for k in self._attempts
+                            if (k.job, k.tensor_id) == (done.job, done.tensor_id) and k.step <= done.step]:
+                    del self._attempts[key]
+            else:  # submitting it again is a new attempt
+                self._attempts[step.key] = step.attempt + 1
             step.done.set()
 
-    def abandon(self, job: str, error: StepError) -> list[Step]:
+    def abandon(self, job: str, error_for: Any) -> list[Step]:
         """A job's trainer is gone: fail that job's steps that have not started (they hold its part, or
-        wait for it in vain)."""
+        wait for it in vain), each with error_for(step)."""
         with self._lock:
             victims = [s for s in self._open.values() if not s.started and s.key.job == job]
         for step in victims:
-            self.finish(step, error=error)
+            self.finish(step, error=error_for(step))
         return victims
 
     def expire(self, older_than_s: float, error_for: Any) -> list[Step]:
@@ -106,6 +118,11 @@ class StepTable:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._open)
+
+    def entries(self) -> int:
+        """Every entry the table holds (open steps, kept results, attempt counts): bounded by tensors."""
+        with self._lock:
+            return len(self._open) + len(self._last) + len(self._attempts)
 
     def open_steps(self) -> list[Step]:
         with self._lock:

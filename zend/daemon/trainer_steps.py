@@ -50,6 +50,7 @@ class TrainerSteps:
         self.draining = False
         self._node: NodeSteps | None = None
         self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
+        self._gone: dict[tuple[str, int], str] = {}  # (job, local rank) -> why its trainer left, until replaced
         self._lock = threading.Lock()
 
     def open(self, node: NodeSteps) -> None:
@@ -121,12 +122,31 @@ class TrainerSteps:
             step, start = self.table.join(key, session.local_rank, session.session_id, part,
                                           state.local_world_size)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
-        if start:
+            vacant = None if start or step.done.is_set() else self._vacancy(session.job)
+        if vacant is not None:  # a trainer of this step left and nobody took its place: it cannot start
+            err = StepError(codes.ABORTED, f"step {step_no} of tensor {state.spec.name!r} aborted: {vacant}")
+            self.table.finish(step, error=err)
+            self._abort_everywhere(step, err)
+        elif start:
             self._run(state, step)
         return step
 
+    def _vacancy(self, job: str) -> str | None:
+        """(under _lock) Why a local rank of `job` is empty: its trainer left and no session holds it."""
+        gone = [(rank, why) for (j, rank), why in self._gone.items() if j == job]
+        if not gone:
+            return None
+        held = {s.local_rank for s in self.registry.session_list() if s.job == job}
+        for rank, why in gone:
+            if rank in held:  # a restarted trainer took the place
+                del self._gone[(job, rank)]
+            else:
+                return why
+        return None
+
     def _wait(self, step: Step, spec: TensorSpec, wait_s: float) -> None:
-        limit = min(wait_s, self.step_timeout_s)
+        # past the step timeout: the step's own failure (the same on every node) comes first
+        limit = min(wait_s, self.step_timeout_s + 2.0)
         if not step.done.wait(limit):
             missing = step.missing()
             who = f"local trainers {missing} have not submitted it" if missing else "the nodes are still summing it"
@@ -149,7 +169,7 @@ class TrainerSteps:
         key = step.key
         try:
             outcome = self._node.run(state, key, [step.parts[r] for r in sorted(step.parts)],
-                                     waited_s=time.monotonic() - step.opened_at)
+                                     waited_s=time.monotonic() - step.opened_at, attempt=step.attempt)
         except StepError as err:  # every waiting trainer gets it
             self.metrics.count_error(err.code)
             log.warning("step failed", extra={"event": "step_failed", "job": key.job, "tensor": state.spec.name,
@@ -173,26 +193,51 @@ class TrainerSteps:
                                      "seconds": round(outcome.seconds, 6)})
 
     # ------------------------------------------------------------------ steps that cannot finish
+    def _tensor_name(self, key: StepKey) -> str:
+        try:
+            return repr(self.registry.tensor(key.job, key.tensor_id).spec.name)
+        except Exception:  # the job is gone already
+            return f"#{key.tensor_id}"
+
+    def _abort_everywhere(self, step: Step, err: StepError) -> None:
+        """A step that failed here before it ran: every other node aborts it too (they may be waiting on us)."""
+        self.metrics.count_error(err.code)
+        log.warning("step aborted", extra={"event": "step_aborted", "job": step.key.job, "step": step.key.step,
+                                           "code": err.code, "error": err.message})
+        if self._node is not None:
+            self._node.abort(step.key, step.attempt, err)
+
     def session_closed(self, session: Session) -> None:
-        """A trainer left (or died): steps waiting for it fail now instead of at their deadline."""
-        err = StepError(codes.UNAVAILABLE, f"trainer local rank {session.local_rank} (pid {session.pid}) of job "
-                                           f"{session.job!r} disconnected before the step could start")
-        for step in self.table.abandon(session.job, err):
-            self.metrics.count_error(err.code)
-            log.warning("step failed", extra={"event": "step_failed", "job": session.job, "step": step.key.step,
-                                              "error": err.message})
+        """A trainer left (or died): steps waiting for it fail now, on every node, instead of at their deadline."""
+        node = self._node.comm.rank if self._node is not None else 0
+        gone = (f"trainer local rank {session.local_rank} (pid {session.pid}) of job {session.job!r} on node {node} "
+                "disconnected before the step could start")
+
+        def error_for(step: Step) -> StepError:
+            return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "
+                                            f"{gone}")
+        with self._lock:  # steps that open before a trainer takes its place fail at once, alike
+            self._gone[(session.job, session.local_rank)] = gone
+            while len(self._gone) > 4096:
+                del self._gone[next(iter(self._gone))]
+        for step in self.table.abandon(session.job, error_for):
+            assert step.error is not None
+            self._abort_everywhere(step, step.error)
         with self._lock:
             for key in [k for k in self._open_by_session if k[0] == session.session_id]:
                 del self._open_by_session[key]
 
     def expire(self) -> None:
-        """Fail steps whose local trainers did not all come within the step timeout."""
+        """Fail steps whose local trainers did not all come within the step timeout, on every node."""
+        node = self._node.comm.rank if self._node is not None else 0
+
         def error_for(step: Step) -> StepError:
-            return StepError(codes.DEADLINE_EXCEEDED, f"step {step.key.step} of tensor {step.key.tensor_id}: "
-                                                      f"local trainers {step.missing()} never submitted it")
+            return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "
+                                            f"local trainers {step.missing()} of node {node} never submitted it "
+                                            f"within the step timeout ({self.step_timeout_s:g} s)")
         for step in self.table.expire(self.step_timeout_s, error_for):
-            self.metrics.count_error(codes.DEADLINE_EXCEEDED)
-            log.warning("step expired", extra={"event": "step_expired", "job": step.key.job, "step": step.key.step})
+            assert step.error is not None
+            self._abort_everywhere(step, step.error)
 
     def wait_in_flight(self, timeout_s: float) -> tuple[int, int]:
         """Wait for the steps in flight (a drain: `draining` is set). Returns (completed, abandoned)."""

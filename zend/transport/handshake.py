@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: heartbeat and abort frames
 MAX_HANDSHAKE_BYTES = 4096
 
 Message = dict[str, object]

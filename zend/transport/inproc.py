@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
-from zend.core.comm import CommError, CommTimeout, Communicator
+from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
 
 T = TypeVar("T")
 
@@ -33,6 +34,7 @@ class InProcessCluster:
         self._boxes: dict[tuple[int, int, str], queue.SimpleQueue[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._baton: threading.Lock | None = threading.Lock() if serialize else None
+        self._aborted: dict[str, tuple[str, str]] = {}  # tag prefix -> (code, reason), seen by every rank at once
 
     def _box(self, key: tuple[int, int, str]) -> queue.SimpleQueue[torch.Tensor]:
         box = self._boxes.get(key)
@@ -40,12 +42,38 @@ class InProcessCluster:
             box = self._boxes[key] = queue.SimpleQueue()
         return box
 
+    def abort(self, prefix: str, code: str, reason: str) -> None:
+        """Void `prefix` for every rank (an abort notice that arrives at once): its messages are dropped."""
+        with self._lock:
+            self._aborted.setdefault(prefix, (code, reason))
+            for key in [k for k in self._boxes if k[2].startswith(prefix)]:
+                del self._boxes[key]
+
+    def voided(self, tag: str) -> tuple[str, str] | None:
+        for prefix, hit in list(self._aborted.items()):
+            if tag.startswith(prefix):
+                return hit
+        return None
+
+    def mailbox_messages(self, except_to: frozenset[int] = frozenset()) -> int:
+        """Messages posted and not yet fetched, but those to ranks `except_to` (a failed step must leave none)."""
+        with self._lock:
+            return sum(box.qsize() for key, box in self._boxes.items() if key[1] not in except_to)
+
     def post(self, src: int, dst: int, tag: str, payload: torch.Tensor) -> None:
         with self._lock:  # under the lock so that `fetch` never drops a box holding a message
+            if self._aborted and self.voided(tag) is not None:
+                return
             self._box((src, dst, tag)).put(payload)
+
+    def _check(self, tag: str) -> None:
+        hit = self.voided(tag) if self._aborted else None
+        if hit is not None:
+            raise CommAborted(hit[1], hit[0])
 
     def fetch(self, src: int, dst: int, tag: str, timeout_s: float | None) -> torch.Tensor:
         key = (src, dst, tag)
+        self._check(tag)
         with self._lock:
             box = self._box(key)
         try:
@@ -53,8 +81,17 @@ class InProcessCluster:
         except queue.Empty:
             if self._baton is not None:
                 self._baton.release()
-            try:
-                payload = box.get(timeout=timeout_s)  # raises queue.Empty
+            try:  # in slices, so that an abort wakes the wait
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                while True:
+                    left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                    if left <= 0:
+                        raise queue.Empty
+                    try:
+                        payload = box.get(timeout=left)
+                        break
+                    except queue.Empty:
+                        self._check(tag)
             finally:
                 if self._baton is not None:
                     self._baton.acquire()
@@ -110,7 +147,11 @@ class InProcessCommunicator(Communicator):
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
         self._check_peer(dst)
+        self.cluster._check(tag)
         self.cluster.post(self.rank, dst, tag, payload)
+
+    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
+        self.cluster.abort(prefix, code, reason)
 
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
         self._check_peer(src)

@@ -8,27 +8,52 @@ mailboxes, a bound on unclaimed bytes per peer (a receiver stops reading beyond 
 sender is held back), a timeout on every wait, immediate failure of pending receives when a
 peer's link breaks (the error names the peer), and a background redial when a dialled peer
 comes back.
+
+Timeouts, one meaning each:
+- `timeout_s` is the *peer timeout* (liveness): a peer that sends nothing at all, not even a
+  heartbeat, for that long is lost (frozen host, cut link) and its link is dropped. A link that
+  has been quiet for `heartbeat_s` gets a heartbeat frame, so an idle link stays up for ever and
+  a slow-but-alive peer is never mistaken for a lost one. Sends never carry a socket timeout
+  (the receiving thread reads the same socket): a send to a lost peer ends when the watchdog
+  drops its link.
+- how long a message may take to come is the caller's `recv(timeout_s=...)` (the step timeout).
+- a peer is not judged while this side holds it back (backpressure) or after this process
+  itself stood still (`stalled_since`): then silence is ours, not the peer's.
+Aborts: `abort(prefix)` voids a failed step's messages on both sides (frames.ABORT), so a
+failed step leaves no message behind in any mailbox and a late one is dropped as it comes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from abc import abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from zend.core.comm import CommError, CommTimeout, Communicator
+from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
 from zend.transport import handshake as hs
-from zend.transport.frames import GOODBYE, FrameError, pack_frame
+from zend.transport.frames import ABORT, DATA, GOODBYE, HEARTBEAT, MAX_ABORT_BYTES, FrameError, pack_frame
 from zend.transport.receive_pool import ReceivePool
 
 log = logging.getLogger("zend.transport")
+MAX_ABORTED_PREFIXES = 16384  # voided steps remembered (a late message of one is dropped)
+# A payload still arriving counts as a sign of life at this rate (ucx:// lands a payload in one
+# call, so a big one at a slow rate is not silence); tcp:// counts every chunk instead.
+LIVENESS_MIN_RATE = 1 << 20  # bytes/s
+REPLAYED_ABORTS = 256  # the most recent aborts, told again to a peer that (re)connects
+
+
+def _abort_notice(code: str, reason: str) -> torch.Tensor:
+    """An abort frame's payload: the status name and the reason, as JSON."""
+    text = json.dumps({"code": code[:64], "reason": reason[:MAX_ABORT_BYTES - 128]}).encode()
+    return torch.frombuffer(bytearray(text[:MAX_ABORT_BYTES]), dtype=torch.uint8)
 
 
 @dataclass
@@ -40,6 +65,10 @@ class Peer:
     error: str | None = "not connected yet"
     was_connected: bool = False
     buffered: int = 0  # bytes received and not yet taken by recv
+    last_heard: float = 0.0  # monotonic time of the last bytes from this peer
+    last_sent: float = 0.0  # ... and of our last frame to it
+    arriving: int = 0  # bytes of a payload the backend is receiving in one call (ucx://)
+    connects: int = 0  # links made to this peer so far (1 while it never dropped)
 
 
 @dataclass(frozen=True)
@@ -71,9 +100,16 @@ class LinkTransport(Communicator):
         self.max_message_bytes = max_message_bytes
         self.receive_pool = ReceivePool(pool_bytes)  # received payloads land in reused blocks
         self.peers = {j: Peer(j) for j in range(world_size) if j != rank}
+        self.heartbeat_s = max(0.02, min(0.5, timeout_s / 10))  # a quiet link gets a heartbeat this often
+        self.stall_limit_s = timeout_s / 2  # a pause of ours this long may have made peers drop us
         self._cond = threading.Condition()
         self._boxes: dict[tuple[int, str], deque[torch.Tensor]] = {}
+        self._aborted: OrderedDict[str, tuple[str, str]] = OrderedDict()  # prefix -> (code, reason)
+        self.dropped_messages = 0  # messages of aborted steps, dropped on arrival or from a mailbox
+        self._last_tick = time.monotonic()  # the watchdog's last round
+        self._stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (from, to) of our own pauses
         self._closed = False
+        self._closing = threading.Event()  # what the liveness threads sleep on
         self._threads: list[threading.Thread] = []
         self._open_links: list[Any] = []  # every link a receiver may still be reading
 
@@ -107,6 +143,14 @@ class LinkTransport(Communicator):
     def _stop_backend(self) -> None:
         """Release listeners and loops (after every link is closed)."""
 
+    def _prepare_link(self, link: Any) -> None:
+        """Set a link up for frames, once its handshake is done (before any frame is sent on it)."""
+
+    def _send_heartbeat(self, link: Any) -> bool:
+        """Send a heartbeat frame if it can go without waiting; False if the link is full."""
+        self._send_frame(link, pack_frame("", 0, HEARTBEAT), torch.empty(0, dtype=torch.uint8))
+        return True
+
     # ------------------------------------------------------------------ lifecycle
     @property
     def address(self) -> tuple[str, int]:
@@ -138,6 +182,7 @@ class LinkTransport(Communicator):
             if self._closed:
                 return
             self._closed = True
+            self._closing.set()
             links = list(self._open_links)
             self._cond.notify_all()
         for peer in self.peers.values():  # say goodbye, so peers fail their receives now
@@ -161,6 +206,12 @@ class LinkTransport(Communicator):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def start_liveness(self) -> None:
+        """Heartbeats and the watchdog (started with the first link)."""
+        self._last_tick = time.monotonic()
+        self._spawn(self._heartbeat_loop, "heartbeat")
+        self._spawn(self._watchdog_loop, "watchdog")
 
     def _spawn(self, target: Callable[..., None], name: str, *args: object) -> None:
         t = threading.Thread(target=target, args=args, name=f"{self.scheme}-{self.rank}-{name}", daemon=True)
@@ -211,13 +262,25 @@ class LinkTransport(Communicator):
 
     def _attach(self, j: int, link: Any) -> None:
         peer = self.peers[j]
+        try:
+            with peer.send_lock:  # before anything else goes on the link: the aborts it may have missed
+                self._replay_aborts(link)
+        except Exception as exc:  # it went away at once: as if it had never come
+            log.warning("rank %d: rank %d dropped its new link: %s", self.rank, j, exc)
+            self._close_link(link)
+            return
         with self._cond:
             if self._closed:  # a late (re)connection racing with close()
                 self._close_link(link)
                 return
+            first = not any(p.was_connected for p in self.peers.values())
             old, peer.link, peer.error, peer.was_connected = peer.link, link, None, True
+            peer.last_heard = peer.last_sent = time.monotonic()
+            peer.arriving, peer.connects = 0, peer.connects + 1
             self._open_links.append(link)
             self._cond.notify_all()
+        if first:
+            self.start_liveness()
         if old is not None:
             self._close_link(old)
         log.info("rank %d: connected to rank %d over %s", self.rank, j, self.scheme)
@@ -275,7 +338,28 @@ class LinkTransport(Communicator):
         """Backpressure: wait while too many bytes from rank j are unclaimed."""
         with self._cond:
             while self._must_wait(j, size):
+                self.peers[j].last_heard = time.monotonic()  # we are not reading: its silence is ours
                 self._cond.wait(0.2)
+            self.peers[j].last_heard = time.monotonic()
+
+    def _heard(self, j: int, arriving: int = 0) -> None:
+        """Bytes came from rank j (`arriving`: a payload of that size is now being received in one call)."""
+        peer = self.peers[j]
+        peer.last_heard, peer.arriving = time.monotonic(), arriving
+
+    def _received(self, j: int, kind: int, tag: str, payload: torch.Tensor) -> None:
+        """A whole frame from rank j, by kind."""
+        self._heard(j)
+        if kind == DATA:
+            self._deliver(j, tag, payload)
+        elif kind == ABORT:
+            try:
+                notice = json.loads(bytes(payload.numpy()).decode())
+                code, reason = str(notice["code"])[:64], str(notice["reason"])[:MAX_ABORT_BYTES]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                raise FrameError(f"sent a malformed abort for {tag[:40]!r}") from None
+            with self._cond:
+                self._void(tag, code, reason)
 
     def _payload_buffer(self, size: int) -> torch.Tensor:
         """Where a received payload lands; handed to `recv` as it is (no copy)."""
@@ -283,6 +367,9 @@ class LinkTransport(Communicator):
 
     def _deliver(self, j: int, tag: str, payload: torch.Tensor) -> None:
         with self._cond:
+            if self._voided(tag) is not None:  # its step was aborted: nobody will ever take it
+                self.dropped_messages += 1
+                return
             self.peers[j].buffered += payload.numel()
             self._boxes.setdefault((j, tag), deque()).append(payload)
             self._cond.notify_all()
@@ -293,7 +380,9 @@ class LinkTransport(Communicator):
         peer = self.peers[dst]
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            while peer.link is None:  # a reconnection may be under way
+            while peer.link is None:  # not connected yet: it may still be starting
+                if peer.was_connected:  # lost: fail now, not after a timeout
+                    raise CommError(f"rank {self.rank}: cannot send to {peer.error}")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     raise CommError(f"rank {self.rank}: cannot send to {peer.error}")
@@ -301,12 +390,16 @@ class LinkTransport(Communicator):
             return peer.link
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
+        hit = self._voided(tag)
+        if hit is not None:
+            raise CommAborted(hit[1], hit[0])
         link = self._live_link(dst)
         data = payload.contiguous().view(torch.uint8)
         header = pack_frame(tag, data.numel())
         with self.peers[dst].send_lock:
             try:
                 self._send_frame(link, header, data)
+                self.peers[dst].last_sent = time.monotonic()
             except (OSError, ConnectionError, TimeoutError) as exc:
                 self._fail(dst, link, f"failed while sending: {exc}")
                 raise CommError(f"rank {self.rank}: send to {self.peers[dst].error}") from None
@@ -320,6 +413,9 @@ class LinkTransport(Communicator):
         deadline = time.monotonic() + wait
         with self._cond:
             while True:
+                hit = self._voided(tag)
+                if hit is not None:
+                    raise CommAborted(hit[1], hit[0])
                 box = self._boxes.get(key)
                 if box:
                     payload = box.popleft()
@@ -348,3 +444,111 @@ class LinkTransport(Communicator):
                 if left <= 0 or self._closed:
                     raise CommError(f"rank {self.rank}: rank {j} not connected: {self.peers[j].error}")
                 self._cond.wait(min(left, 0.1))
+
+    # ------------------------------------------------------------------ aborts
+    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
+        with self._cond:
+            if prefix in self._aborted:
+                return  # already voided (here, or by the peer that told us)
+            self._void(prefix, code, reason)
+            links = [(j, p.link) for j, p in self.peers.items() if p.link is not None]
+        body = _abort_notice(code, reason)
+        header = pack_frame(prefix, body.numel(), ABORT)
+        for j, link in links:  # after the step's own messages (one send lock): peers void it too
+            with self.peers[j].send_lock:
+                try:
+                    self._send_frame(link, header, body)
+                    self.peers[j].last_sent = time.monotonic()
+                except Exception as exc:  # that peer is going down: it fails the step itself
+                    log.debug("rank %d: abort notice to rank %d not sent: %s", self.rank, j, exc)
+
+    def _replay_aborts(self, link: Any) -> None:
+        """A peer that (re)connects may have been away when steps were aborted: tell it the recent ones,
+        or it could wait out a step timeout on an attempt every other node gave up."""
+        self._prepare_link(link)
+        with self._cond:
+            recent = list(self._aborted.items())[-REPLAYED_ABORTS:]
+        for prefix, (code, reason) in recent:
+            body = _abort_notice(code, reason)
+            self._send_frame(link, pack_frame(prefix, body.numel(), ABORT), body)
+
+    def _void(self, prefix: str, code: str, reason: str) -> None:
+        """(under _cond) Remember `prefix` as aborted, drop what its mailboxes hold, wake its receivers."""
+        if prefix in self._aborted:
+            return
+        self._aborted[prefix] = (code, reason)
+        while len(self._aborted) > MAX_ABORTED_PREFIXES:
+            self._aborted.popitem(last=False)
+        for key in [k for k in self._boxes if k[1].startswith(prefix)]:
+            box = self._boxes.pop(key)
+            self.peers[key[0]].buffered -= sum(m.numel() for m in box)
+            self.dropped_messages += len(box)
+        self._cond.notify_all()
+
+    def _voided(self, tag: str) -> tuple[str, str] | None:
+        """(code, reason) if `tag` is under an aborted prefix (prefixes end at a '/')."""
+        if not self._aborted:
+            return None
+        end = tag.find("/")
+        while end >= 0:
+            hit = self._aborted.get(tag[: end + 1])
+            if hit is not None:
+                return hit
+            end = tag.find("/", end + 1)
+        return None
+
+    def mailbox_bytes(self) -> int:
+        """Bytes received and not yet taken, over every peer (a failed step must leave none)."""
+        with self._cond:
+            return sum(p.buffered for p in self.peers.values())
+
+    # ------------------------------------------------------------------ liveness
+    def _heartbeat_loop(self) -> None:
+        """A heartbeat on every link that has been quiet for heartbeat_s (a send in progress is not quiet)."""
+        while not self._closed:
+            if self._closing.wait(self.heartbeat_s):  # not _cond: every message notifies that one
+                return
+            now = time.monotonic()
+            for peer in list(self.peers.values()):
+                link = peer.link
+                if link is None or now - peer.last_sent < self.heartbeat_s:
+                    continue
+                if not peer.send_lock.acquire(blocking=False):
+                    continue  # a frame is going out: that is a sign of life already
+                try:
+                    if peer.link is link and self._send_heartbeat(link):
+                        peer.last_sent = time.monotonic()
+                except Exception as exc:  # the receiver or the watchdog ends the link
+                    log.debug("rank %d: heartbeat to rank %d failed: %s", self.rank, peer.rank, exc)
+                finally:
+                    peer.send_lock.release()
+
+    def _watchdog_loop(self) -> None:
+        """Drop the link of a peer that sent nothing for timeout_s; notice our own pauses."""
+        while not self._closed:
+            if self._closing.wait(self.heartbeat_s):  # not _cond: every message notifies that one
+                return
+            now = time.monotonic()
+            gap = now - self._last_tick
+            if gap > self.stall_limit_s:  # we stood still: the silence was ours, judge nobody this round
+                self._stalls.append((self._last_tick, now))
+                log.warning("rank %d: this process stood still for %.1f s (peer timeout %g s)",
+                            self.rank, gap, self.timeout_s)
+                for peer in self.peers.values():
+                    peer.last_heard = max(peer.last_heard, now)
+                self._last_tick = now
+                continue
+            self._last_tick = now
+            for j, peer in list(self.peers.items()):
+                link = peer.link
+                silent = now - peer.last_heard
+                if link is not None and silent > self.timeout_s + peer.arriving / LIVENESS_MIN_RATE:
+                    self._fail(j, link, f"sent nothing for {silent:.1f} s (peer timeout {self.timeout_s:g} s): "
+                                        "frozen, overloaded or cut off")
+
+    def stalled_since(self, since: float) -> float | None:
+        now = time.monotonic()
+        with self._cond:
+            current = now - self._last_tick  # a pause that the watchdog has not seen end yet
+            longest = max([current, *(end - start for start, end in self._stalls if end >= since)])
+        return longest if longest > self.stall_limit_s else None

@@ -4,7 +4,8 @@ A frame is a 20-byte header (magic, version, type, tag length, payload length), 
 the payload, which the per-peer receiver thread reads with `recv_into` straight into the
 tensor that `recv` hands out: no copy on the hot path (asyncio streams' readexactly was 3-7x
 slower on loopback in our measurements: 0.4-0.9 against 2.8-4.6 GB/s). TCP_NODELAY and 8 MiB
-socket buffers. Handshake messages are length-prefixed. Everything else (handshake flow,
+socket buffers, no socket timeout after the handshake (see link_transport.py: liveness is
+the heartbeats' job). Handshake messages are length-prefixed. Everything else (handshake flow,
 mailboxes, backpressure, failures, redial) is in link_transport.py and handshake.py.
 """
 
@@ -13,16 +14,18 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zend.transport.frames import FRAME, unpack_frame
+from zend.transport.frames import FRAME, HEARTBEAT, pack_frame, unpack_frame
 from zend.transport.handshake import MAX_HANDSHAKE_BYTES
 from zend.transport.link_transport import LinkTransport
 
 SOCKET_BUFFER_BYTES = 8 << 20
 _LENGTH = struct.Struct("<I")
+_HEARTBEAT = pack_frame("", 0, HEARTBEAT)
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -43,15 +46,17 @@ def _advance(views: list[memoryview], n: int) -> None:
             views[0], n = views[0][n:], 0
 
 
-def _recv_exactly_into(sock: socket.socket, views: list[memoryview]) -> None:
+def _recv_exactly_into(sock: socket.socket, views: list[memoryview], progress: Callable[[], None]) -> None:
     """Fill every buffer in order with one recvmsg per arrival: the tag and the payload of a
-    frame in one system call, not two."""
+    frame in one system call, not two. `progress` after each arrival (a big payload at a slow
+    rate is not silence)."""
     views = [v for v in views if len(v)]
     while views:
         n = sock.recvmsg_into(views)[0]
         if n == 0:
             raise ConnectionError("connection closed by peer")
         _advance(views, n)
+        progress()
 
 
 def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
@@ -113,25 +118,45 @@ class TcpTransport(LinkTransport):
         _recv_exactly(link, memoryview(body))
         return bytes(body)
 
-    def _receive_frames(self, j: int, link: Any) -> None:
+    def _prepare_link(self, link: Any) -> None:
         sock: socket.socket = link
         for opt, value in ((socket.SO_SNDBUF, SOCKET_BUFFER_BYTES), (socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)):
             sock.setsockopt(socket.SOL_SOCKET, opt, value)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)  # reads block; sends set their own timeout
+        # No timeout on a socket that a receiving thread reads: a send's timeout would also end
+        # reads of an idle link. A send to a lost peer ends when the watchdog drops the link.
+        sock.settimeout(None)
+
+    def _receive_frames(self, j: int, link: Any) -> None:
+        sock: socket.socket = link
         header = bytearray(FRAME.size)
+
+        def progress() -> None:
+            self._heard(j)
+
         while True:
             _recv_exactly(sock, memoryview(header))
-            tag_len, size = unpack_frame(bytes(header))
+            self._heard(j)
+            kind, tag_len, size = unpack_frame(bytes(header))
             tag = bytearray(tag_len)
             self._reserve(j, size)
             payload = self._payload_buffer(size)
-            _recv_exactly_into(sock, [memoryview(tag), memoryview(payload.numpy())])  # type: ignore[arg-type]
-            self._deliver(j, tag.decode(), payload)
+            _recv_exactly_into(sock, [memoryview(tag), memoryview(payload.numpy())], progress)  # type: ignore[arg-type]
+            self._received(j, kind, tag.decode(), payload)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
         if data.is_cuda:
             data = data.cpu()  # tcp:// stages GPU tensors through the host
-        link.settimeout(self.timeout_s)
         _send_all(link, [memoryview(header), memoryview(data.numpy())])  # type: ignore[arg-type]
+
+    def _send_heartbeat(self, link: Any) -> bool:
+        # MSG_DONTWAIT for this call only: a full socket (the peer holds us back, or is frozen)
+        # must not hold the heartbeat thread; a partial write is finished, the frame kept whole
+        try:
+            sent = link.send(_HEARTBEAT, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        if sent < len(_HEARTBEAT):
+            link.sendall(_HEARTBEAT[sent:])
+        return True

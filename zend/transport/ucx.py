@@ -201,9 +201,10 @@ class UcxTransport(LinkTransport):
         loop = asyncio.get_running_loop()
         while not self._closed:
             await link.recv(header)
-            tag_len, size = unpack_frame(header[: FRAME.size].tobytes())
+            kind, tag_len, size = unpack_frame(header[: FRAME.size].tobytes())
             on_device = bool(size & DEVICE_FLAG)
             size &= ~DEVICE_FLAG
+            self._heard(j, arriving=size)  # the payload comes in one call: its size buys it time
             tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
             if self._must_wait(j, size):  # backpressure: wait off the loop, other links keep going
                 await loop.run_in_executor(None, self._reserve, j, size)
@@ -215,7 +216,7 @@ class UcxTransport(LinkTransport):
                 payload = self._payload_buffer(size)
                 if size:
                     await link.recv(payload.numpy())
-            self._deliver(j, tag, payload)
+            self._received(j, kind, tag, payload)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
@@ -228,4 +229,6 @@ class UcxTransport(LinkTransport):
             if data.numel():
                 await link.send(data if data.is_cuda else data.numpy())
 
-        self._io(link, send(), self.timeout_s)
+        # no timeout: a send may take long at a slow rate; a lost peer's link is dropped by the
+        # watchdog, which cancels what is in flight on it
+        self._io(link, send(), None)

@@ -1,0 +1,222 @@
+"""Every node the same outcome, under faults: random schedules of a node stopping (kill -9) at any
+send or receive of a step, commit included, of a node pausing (a straggler), and of a trainer
+leaving before it submits. Four in-process nodes, each wired as the daemon wires it (test_node_steps'
+Node), over a network model whose lost node's messages stop where it stopped.
+
+For every schedule: the trainers of the nodes still up either all get the same bits (the full sum)
+or all get the same error; nothing is left in a live node's mailboxes or step table."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.core.helpers import assert_close_to, reference_sum
+from tests.daemon.test_node_steps import JOB, Node, grad_of
+from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
+from zend.core.sparse import SparseGrad
+from zend.daemon import errors as codes
+from zend.daemon.errors import StepError
+from zend.protocol.layout import TensorSpec
+from zend.transport.inproc import InProcessCluster
+
+NODES, TRAINERS = 4, 2
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "none", "kill" (the node stops at its op-th send or recv), "pause" (it sleeps there),
+    # "leave" (a trainer leaves after its partner submitted), "leave_early" (before)
+    node: int = 0
+    op: int = 0
+    pause_s: float = 0.0
+
+
+class Net:
+    """An InProcessCluster where a node can stop for good at a given operation, as kill -9 would
+    stop it: what it sent before is delivered, nothing after; its peers' receives from it fail once
+    their mailbox is empty, their sends to it fail."""
+
+    def __init__(self, fault: Fault):
+        self.cluster = InProcessCluster(NODES)
+        self.fault = fault
+        self.dead: set[int] = set()
+        self.ops = [0] * NODES
+        self.lock = threading.Lock()
+
+    def comm(self, rank: int) -> FaultyComm:
+        return FaultyComm(self, rank)
+
+
+class FaultyComm(Communicator):
+    def __init__(self, net: Net, rank: int):
+        self.net, self.rank, self.world_size = net, rank, NODES
+        self.inner = net.cluster.communicator(rank)
+
+    def _op(self) -> None:
+        net, f = self.net, self.net.fault
+        with net.lock:
+            k = net.ops[self.rank]
+            net.ops[self.rank] += 1
+            if self.rank in net.dead:
+                raise CommError(f"node {self.rank} was killed")
+            if f.kind == "kill" and f.node == self.rank and f.op == k:
+                net.dead.add(self.rank)
+                raise CommError(f"node {self.rank} was killed")
+        if f.kind == "pause" and f.node == self.rank and f.op == k:
+            time.sleep(f.pause_s)
+
+    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
+        self._op()
+        if dst in self.net.dead:
+            raise CommError(f"rank {self.rank}: rank {dst} lost")
+        self.inner.send(dst, tag, payload)
+
+    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
+        self._op()
+        deadline = time.monotonic() + (timeout_s or 30.0)
+        while True:
+            try:
+                return self.inner.recv(src, tag, 0.02)
+            except CommAborted:
+                raise
+            except CommTimeout:
+                if src in self.net.dead:
+                    raise CommError(f"rank {self.rank}: rank {src} lost") from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
+        if self.rank not in self.net.dead:  # a stopped node tells nobody anything
+            self.inner.abort(prefix, reason, code)
+
+
+def run_step(fault: Fault, scheme: str, step: int = 0) -> tuple[Net, list[Node], list[list[object]]]:
+    """One step of tensor 'emb' on every trainer of every node under `fault`; outcomes[node][trainer]."""
+    net = Net(fault)
+    spec = TensorSpec(JOB, "emb", (300, 4), "float32", "sparse_rows", False)
+    nodes = [Node(net.comm(r), scheme, timeout_s=10.0) for r in range(NODES)]
+    sessions = [[n.trainer(t, TRAINERS) for t in range(TRAINERS)] for n in nodes]
+    outcomes: list[list[object]] = [[None] * TRAINERS for _ in range(NODES)]
+
+    def trainer(r: int, t: int) -> None:
+        node, session = nodes[r], sessions[r][t]
+        if fault.kind == "leave_early" and r == fault.node and t == 0:
+            time.sleep(0.2)  # its partner left before it came: the step cannot start, and fails at once
+        if fault.kind in ("leave", "leave_early") and (r, t) == (fault.node, 1):
+            time.sleep(0.05 if fault.kind == "leave" else 0.0)  # "leave": its partner has submitted by now
+            node.registry.close_session(session.session_id)
+            node.trainer_steps.session_closed(session)
+            outcomes[r][t] = "left"
+            return
+        try:
+            outcomes[r][t] = node.submit(session, spec, grad_of(r * TRAINERS + t, step, rows=300), step)
+        except StepError as exc:
+            outcomes[r][t] = exc
+
+    threads = [threading.Thread(target=trainer, args=(r, t)) for r in range(NODES) for t in range(TRAINERS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), f"a trainer still waits under {fault}"
+    return net, nodes, outcomes
+
+
+def clean_ops(scheme: str) -> list[int]:
+    net, _, outcomes = run_step(Fault("none"), scheme)
+    assert all(isinstance(o, SparseGrad) for per in outcomes for o in per)
+    return list(net.ops)
+
+
+def schedules(seed: int, scheme: str, count: int) -> list[Fault]:
+    ops = clean_ops(scheme)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        kind, node = rng.choice(["kill", "kill", "kill", "pause", "leave", "leave_early"]), rng.randrange(NODES)
+        # half of them in the commit (its last 4 (n - 1) sends and receives), where a stop is subtlest
+        commit = 4 * (NODES - 1)
+        op = ops[node] - 1 - rng.randrange(commit) if rng.random() < 0.5 else rng.randrange(ops[node])
+        out.append(Fault(kind, node, op, pause_s=rng.choice([0.05, 0.3])))
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["zen", "dense", "sparse_ps"])
+def test_under_random_faults_the_nodes_still_up_all_deliver_the_same_bits_or_all_fail(scheme: str) -> None:
+    full = reference_sum([grad_of(i, 0, rows=300) for i in range(NODES * TRAINERS)])
+    seen = set()
+    for fault in schedules(7, scheme, 60):
+        net, nodes, outcomes = run_step(fault, scheme)
+        up = [r for r in range(NODES) if r not in net.dead]
+        got = [o for r in up for o in outcomes[r] if o != "left"]
+        if all(isinstance(o, SparseGrad) for o in got):
+            first = got[0]
+            assert isinstance(first, SparseGrad)
+            for o in got[1:]:
+                assert isinstance(o, SparseGrad)
+                assert torch.equal(o.indices, first.indices) and torch.equal(o.values, first.values), fault
+            assert_close_to(first.to_dense(), full, torch.float32, NODES * TRAINERS)
+            seen.add("delivered")
+            assert fault.kind in ("none", "pause", "kill"), f"{fault}: delivered without a trainer"
+        else:
+            errors = [o for o in got if isinstance(o, StepError)]
+            assert len(errors) == len(got), f"{fault}: some delivered, some failed: {outcomes}"
+            assert {e.code for e in errors} == {codes.ABORTED}, f"{fault}: {[e.message for e in errors]}"
+            assert fault.kind in ("kill", "leave", "leave_early"), f"{fault}: failed unfaulted: {errors[0].message}"
+            seen.add("aborted")
+        # nothing left behind on the nodes still up
+        assert net.cluster.mailbox_messages(except_to=frozenset(net.dead)) == 0, fault
+        for r in up:
+            assert nodes[r].trainer_steps.in_flight() == 0, fault
+        if fault.kind == "pause":
+            assert "delivered" in seen  # a straggler is waited for
+    assert seen == {"delivered", "aborted"}  # the schedules hit both outcomes
+
+
+def test_an_aborted_step_can_be_submitted_again_and_then_sums_every_part() -> None:
+    """A trainer left before step 3 started: every node aborted it; with the trainer back (a new
+    session), step 3 is submitted again (attempt 1, its own tags) and every trainer gets the sum."""
+    cluster = InProcessCluster(2)
+    spec = TensorSpec(JOB, "emb", (80, 3), "float32", "sparse_rows", False)
+    nodes = [Node(cluster.communicator(r), "zen", timeout_s=10.0) for r in range(2)]
+    sessions = [[n.trainer(t, 2) for t in range(2)] for n in nodes]
+    grads = {(r, t): grad_of(2 * r + t, 3, rows=80, dim=3) for r in range(2) for t in range(2)}
+    results: dict[tuple[int, int], object] = {}
+
+    def submit(r: int, t: int) -> None:
+        try:
+            results[(r, t)] = nodes[r].submit(sessions[r][t], spec, grads[(r, t)], 3)
+        except StepError as exc:
+            results[(r, t)] = exc
+
+    first = [threading.Thread(target=submit, args=rt) for rt in [(0, 0), (1, 0), (1, 1)]]
+    for th in first:
+        th.start()
+    time.sleep(0.1)
+    gone = sessions[0][1]
+    nodes[0].registry.close_session(gone.session_id)
+    nodes[0].trainer_steps.session_closed(gone)
+    for th in first:
+        th.join(30)
+    for rt in [(0, 0), (1, 0), (1, 1)]:
+        err = results[rt]
+        assert isinstance(err, StepError) and err.code == codes.ABORTED, (rt, err)
+        assert "local rank 1" in err.message and "node 0" in err.message and "step 3" in err.message
+    assert cluster.mailbox_messages() == 0
+    sessions[0][1] = nodes[0].trainer(1, 2)  # the trainer, restarted
+    again = [threading.Thread(target=submit, args=(r, t)) for r in range(2) for t in range(2)]
+    for th in again:
+        th.start()
+    for th in again:
+        th.join(30)
+    full = reference_sum(list(grads.values()))
+    for rt in grads:
+        got = results[rt]
+        assert isinstance(got, SparseGrad), (rt, got)
+        assert_close_to(got.to_dense(), full, torch.float32, 4)
