@@ -220,3 +220,89 @@ def test_an_aborted_step_can_be_submitted_again_and_then_sums_every_part() -> No
         got = results[rt]
         assert isinstance(got, SparseGrad), (rt, got)
         assert_close_to(got.to_dense(), full, torch.float32, 4)
+
+
+class FailsOnce(Communicator):
+    """A communicator whose first receive of a tag containing `marker` fails (a link that drops once)."""
+
+    def __init__(self, inner: Communicator, marker: str):
+        self.inner, self.marker, self.failed = inner, marker, False
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
+        self.inner.send(dst, tag, payload)
+
+    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
+        if self.marker in tag and not self.failed:
+            self.failed = True
+            time.sleep(0.5)  # the other node completes its exchange meanwhile
+            raise CommError(f"rank {self.rank}: rank {src} dropped the link")
+        return self.inner.recv(src, tag, timeout_s)
+
+    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
+        self.inner.abort(prefix, reason, code)
+
+
+def test_an_aborted_step_leaves_every_node_in_the_same_scheme_state() -> None:
+    """auto profiles with zen on its first sync, then plans timed trials. Node 1's link drops at its
+    first pull, after it sent its own: node 0 completes the exchange (and would plan its trials),
+    node 1 does not. Both restore their scheme's state, so the retry and every later step run the
+    same scheme on both nodes and sum correctly (they would wait on each other's different
+    messages otherwise)."""
+    cluster = InProcessCluster(2)
+    spec = TensorSpec(JOB, "emb", (400, 4), "float32", "sparse_rows", False)
+    comms = [cluster.communicator(0), FailsOnce(cluster.communicator(1), "/pull/")]
+    nodes = [Node(comms[r], "auto", timeout_s=10.0) for r in range(2)]
+    sessions = [n.trainer(0, 1) for n in nodes]
+
+    def step(s: int) -> list[object]:
+        out: list[object] = [None, None]
+
+        def one(r: int) -> None:
+            try:
+                out[r] = nodes[r].submit(sessions[r], spec, grad_of(r, s, rows=400), s)
+            except StepError as exc:
+                out[r] = exc
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        return out
+
+    first = step(0)
+    assert all(isinstance(o, StepError) and o.code == codes.ABORTED for o in first), first
+    for s in [0, 1, 2, 3, 4, 5]:  # the retry, then auto's trials and its choice
+        got = step(s)
+        assert all(isinstance(o, SparseGrad) for o in got), (s, got)
+        a, b = got
+        assert isinstance(a, SparseGrad) and isinstance(b, SparseGrad)
+        assert torch.equal(a.to_dense(), b.to_dense())
+        assert_close_to(a.to_dense(), reference_sum([grad_of(r, s, rows=400) for r in range(2)]), torch.float32, 2)
+
+
+def test_a_job_run_again_after_all_its_trainers_left_is_not_refused_for_a_vacancy() -> None:
+    """A trainer that leaves mid-job leaves a vacancy (new steps fail at once until it is back); a job
+    whose trainers all left has ended, and a new run of it waits for its trainers as usual."""
+    cluster = InProcessCluster(1)
+    spec = TensorSpec(JOB, "emb", (50, 2), "float32", "sparse_rows", False)
+    node = Node(cluster.communicator(0), "zen", timeout_s=10.0)
+    for session in [node.trainer(0, 2), node.trainer(1, 2)]:  # the first run ends
+        node.registry.close_session(session.session_id)
+        node.trainer_steps.session_closed(session)
+    first = node.trainer(0, 2)  # the second run: local rank 1 comes a little later
+    out: list[object] = []
+
+    def submit() -> None:
+        try:
+            out.append(node.submit(first, spec, grad_of(0, 0, rows=50, dim=2), 0))
+        except StepError as exc:
+            out.append(exc)
+
+    th = threading.Thread(target=submit)
+    th.start()
+    time.sleep(0.2)
+    late = node.trainer(1, 2)
+    got = node.submit(late, spec, grad_of(1, 0, rows=50, dim=2), 0)
+    th.join(10)
+    assert isinstance(out[0], SparseGrad) and torch.equal(out[0].to_dense(), got.to_dense()), out

@@ -105,21 +105,28 @@ class NodeSteps:
         started = time.monotonic()
         sync_id = sync_prefix(key, attempt).rstrip("/")  # tags of this attempt of this step only
         with state.lock:  # one step of a tensor at a time, in step order
-            t = time.perf_counter()
-            grad = local_sum(spec, parts)
-            phases["local_sum"] = time.perf_counter() - t
-            if not state.agreed:
+            saved = state.scheme.checkpoint()
+            try:
                 t = time.perf_counter()
-                agree(Channel(self.comm, sync_id, self.timeout_s), spec, state.local_world_size)
-                state.agreed = True
-                phases["agree"] = time.perf_counter() - t
-            t = time.perf_counter()
-            result = state.scheme.sync(Channel(self.comm, sync_id, self.timeout_s), grad, average=False)
-            phases["exchange"] = time.perf_counter() - t
-            t = time.perf_counter()
-            self.commit(Channel(self.comm, sync_id, self.timeout_s), started)
+                grad = local_sum(spec, parts)
+                phases["local_sum"] = time.perf_counter() - t
+                if not state.agreed:
+                    t = time.perf_counter()
+                    agree(Channel(self.comm, sync_id, self.timeout_s), spec, state.local_world_size)
+                    phases["agree"] = time.perf_counter() - t
+                t = time.perf_counter()
+                result = state.scheme.sync(Channel(self.comm, sync_id, self.timeout_s), grad, average=False)
+                phases["exchange"] = time.perf_counter() - t
+                outcome = self._outcome(state, grad, result, phases)  # all that can fail, before the commit
+                t = time.perf_counter()
+                self.commit(Channel(self.comm, sync_id, self.timeout_s), started)
+            except BaseException:
+                state.scheme.restore(saved)  # every node retries from the same scheme state
+                raise
+            # committed: from here on nothing may fail
+            state.agreed = True
             phases["commit"] = time.perf_counter() - t
-        return self._outcome(state, grad, result, phases)
+        return outcome
 
     def commit(self, channel: Channel, started: float) -> None:
         """Return once every node holds the result and none aborted; raise (the step aborts) otherwise.
@@ -176,6 +183,9 @@ class NodeSteps:
                            result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases)
 
 
+RELAYED_CODES = frozenset({codes.ABORTED, codes.INVALID_ARGUMENT, codes.INTERNAL})  # what a peer's abort may carry
+
+
 def sync_prefix(key: StepKey, attempt: int) -> str:
     """The tag prefix of one attempt of one step (what an abort voids)."""
     return f"{job_key(key.job)}/{key.tensor_id}/{key.step}/{attempt}/"
@@ -187,7 +197,7 @@ def as_step_error(exc: Exception, where: str, node: int) -> StepError:
     if isinstance(exc, StepError):
         return exc
     if isinstance(exc, CommAborted):  # another node aborted it: its status and reason, as they are
-        return StepError(exc.code, str(exc))
+        return StepError(exc.code if exc.code in RELAYED_CODES else codes.ABORTED, str(exc))
     if isinstance(exc, CommTimeout):
         return StepError(codes.ABORTED, f"{where} aborted on node {node}: a peer is alive but slower than the "
                                         f"step timeout: {exc}")

@@ -123,9 +123,11 @@ class TrainerSteps:
                                           state.local_world_size)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
             vacant = None if start or step.done.is_set() else self._vacancy(session.job)
-        if vacant is not None:  # a trainer of this step left and nobody took its place: it cannot start
-            err = StepError(codes.ABORTED, f"step {step_no} of tensor {state.spec.name!r} aborted: {vacant}")
-            self.table.finish(step, error=err)
+            err = None
+            if vacant is not None:  # a trainer of this step left and nobody took its place: it cannot start
+                err = StepError(codes.ABORTED, f"step {step_no} of tensor {state.spec.name!r} aborted: {vacant}")
+                self.table.finish(step, error=err)  # under _lock: no other trainer can start it meanwhile
+        if err is not None:
             self._abort_everywhere(step, err)
         elif start:
             self._run(state, step)
@@ -217,7 +219,11 @@ class TrainerSteps:
             return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "
                                             f"{gone}")
         with self._lock:  # steps that open before a trainer takes its place fail at once, alike
-            self._gone[(session.job, session.local_rank)] = gone
+            if any(s.job == session.job for s in self.registry.session_list()):
+                self._gone[(session.job, session.local_rank)] = gone
+            else:  # the job's last trainer here left (its end, or all restart): nothing is vacant
+                for key in [k for k in self._gone if k[0] == session.job]:
+                    del self._gone[key]
             while len(self._gone) > 4096:
                 del self._gone[next(iter(self._gone))]
         for step in self.table.abandon(session.job, error_for):

@@ -48,6 +48,7 @@ MAX_ABORTED_PREFIXES = 16384  # voided steps remembered (a late message of one i
 # call, so a big one at a slow rate is not silence); tcp:// counts every chunk instead.
 LIVENESS_MIN_RATE = 1 << 20  # bytes/s
 REPLAYED_ABORTS = 256  # the most recent aborts, told again to a peer that (re)connects
+HEARTBEAT_FRAME = pack_frame("", 0, HEARTBEAT)
 
 
 def _abort_notice(code: str, reason: str) -> torch.Tensor:
@@ -146,9 +147,10 @@ class LinkTransport(Communicator):
     def _prepare_link(self, link: Any) -> None:
         """Set a link up for frames, once its handshake is done (before any frame is sent on it)."""
 
-    def _send_heartbeat(self, link: Any) -> bool:
-        """Send a heartbeat frame if it can go without waiting; False if the link is full."""
-        self._send_frame(link, pack_frame("", 0, HEARTBEAT), torch.empty(0, dtype=torch.uint8))
+    def _send_control(self, link: Any, frame: bytes) -> bool:
+        """Send a payload-less control frame (heartbeat, goodbye) without waiting long; False if it
+        did not go (the link is full). Raises if the link broke."""
+        self._send_frame(link, frame, torch.empty(0, dtype=torch.uint8))
         return True
 
     # ------------------------------------------------------------------ lifecycle
@@ -188,8 +190,8 @@ class LinkTransport(Communicator):
         for peer in self.peers.values():  # say goodbye, so peers fail their receives now
             link = peer.link
             if link is not None and peer.send_lock.acquire(timeout=1.0):
-                try:
-                    self._send_frame(link, pack_frame("", 0, GOODBYE), torch.empty(0, dtype=torch.uint8))
+                try:  # best effort, never blocking on a frozen peer
+                    self._send_control(link, pack_frame("", 0, GOODBYE))
                 except Exception:
                     pass
                 finally:
@@ -262,23 +264,23 @@ class LinkTransport(Communicator):
 
     def _attach(self, j: int, link: Any) -> None:
         peer = self.peers[j]
-        try:
-            with peer.send_lock:  # before anything else goes on the link: the aborts it may have missed
-                self._replay_aborts(link)
-        except Exception as exc:  # it went away at once: as if it had never come
-            log.warning("rank %d: rank %d dropped its new link: %s", self.rank, j, exc)
-            self._close_link(link)
+        with peer.send_lock:  # nothing goes on the new link before the aborts it may have missed
+            with self._cond:
+                if self._closed:  # a late (re)connection racing with close()
+                    self._close_link(link)
+                    return
+                # published and the list taken at once: a later abort() sends to this link itself
+                recent = list(self._aborted.items())[-REPLAYED_ABORTS:]
+                first = not any(p.was_connected for p in self.peers.values())
+                old, peer.link, peer.error, peer.was_connected = peer.link, link, None, True
+                peer.last_heard = peer.last_sent = time.monotonic()
+                peer.arriving, peer.connects = 0, peer.connects + 1
+                self._open_links.append(link)
+                self._cond.notify_all()
+            replay_error = self._replay(link, recent)
+        if replay_error is not None:  # it went away at once
+            self._fail(j, link, f"dropped its new link: {replay_error}")
             return
-        with self._cond:
-            if self._closed:  # a late (re)connection racing with close()
-                self._close_link(link)
-                return
-            first = not any(p.was_connected for p in self.peers.values())
-            old, peer.link, peer.error, peer.was_connected = peer.link, link, None, True
-            peer.last_heard = peer.last_sent = time.monotonic()
-            peer.arriving, peer.connects = 0, peer.connects + 1
-            self._open_links.append(link)
-            self._cond.notify_all()
         if first:
             self.start_liveness()
         if old is not None:
@@ -355,9 +357,12 @@ class LinkTransport(Communicator):
         elif kind == ABORT:
             try:
                 notice = json.loads(bytes(payload.numpy()).decode())
-                code, reason = str(notice["code"])[:64], str(notice["reason"])[:MAX_ABORT_BYTES]
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                code, reason = notice["code"], str(notice["reason"])[:MAX_ABORT_BYTES]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
                 raise FrameError(f"sent a malformed abort for {tag[:40]!r}") from None
+            if not tag.endswith("/") or tag == "/" or not (isinstance(code, str) and code.isupper()
+                                                           and code.replace("_", "").isalpha() and len(code) <= 32):
+                raise FrameError(f"sent a malformed abort (prefix {tag[:40]!r}, code {str(code)[:40]!r})")
             with self._cond:
                 self._void(tag, code, reason)
 
@@ -412,6 +417,7 @@ class LinkTransport(Communicator):
         wait = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait
         with self._cond:
+            connects = peer.connects  # a message due on a link that broke never comes on its successor
             while True:
                 hit = self._voided(tag)
                 if hit is not None:
@@ -426,9 +432,9 @@ class LinkTransport(Communicator):
                     return payload
                 if self._closed:
                     raise CommError(f"rank {self.rank}: transport closed")
-                if peer.link is None and peer.was_connected:
-                    # gone, and nothing of this tag is buffered: fail now rather than at the timeout
-                    raise CommError(f"rank {self.rank}: {peer.error}")
+                if (peer.link is None and peer.was_connected) or (connects and peer.connects != connects):
+                    # gone (or gone and back), and nothing of this tag is buffered: fail now, not at the timeout
+                    raise CommError(f"rank {self.rank}: {peer.error or f'rank {src} reconnected while awaited'}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommTimeout(f"rank {self.rank}: no message from rank {src} (tag {tag!r}) "
@@ -455,22 +461,24 @@ class LinkTransport(Communicator):
         body = _abort_notice(code, reason)
         header = pack_frame(prefix, body.numel(), ABORT)
         for j, link in links:  # after the step's own messages (one send lock): peers void it too
-            with self.peers[j].send_lock:
-                try:
+            try:
+                with self.peers[j].send_lock:
                     self._send_frame(link, header, body)
-                    self.peers[j].last_sent = time.monotonic()
-                except Exception as exc:  # that peer is going down: it fails the step itself
-                    log.debug("rank %d: abort notice to rank %d not sent: %s", self.rank, j, exc)
+                self.peers[j].last_sent = time.monotonic()
+            except Exception as exc:  # going down, or a frame half-sent: the link is done for
+                self._fail(j, link, f"failed while sending an abort: {exc}")
 
-    def _replay_aborts(self, link: Any) -> None:
-        """A peer that (re)connects may have been away when steps were aborted: tell it the recent ones,
-        or it could wait out a step timeout on an attempt every other node gave up."""
-        self._prepare_link(link)
-        with self._cond:
-            recent = list(self._aborted.items())[-REPLAYED_ABORTS:]
-        for prefix, (code, reason) in recent:
-            body = _abort_notice(code, reason)
-            self._send_frame(link, pack_frame(prefix, body.numel(), ABORT), body)
+    def _replay(self, link: Any, recent: list[tuple[str, tuple[str, str]]]) -> Exception | None:
+        """Tell a (re)connected peer the recent aborts, under the handshake's timeout (a peer that
+        stalls here cannot hold us), then set the link up for frames; the error, if it broke."""
+        try:
+            for prefix, (code, reason) in recent:
+                body = _abort_notice(code, reason)
+                self._send_frame(link, pack_frame(prefix, body.numel(), ABORT), body)
+            self._prepare_link(link)
+        except Exception as exc:
+            return exc
+        return None
 
     def _void(self, prefix: str, code: str, reason: str) -> None:
         """(under _cond) Remember `prefix` as aborted, drop what its mailboxes hold, wake its receivers."""
@@ -516,12 +524,13 @@ class LinkTransport(Communicator):
                 if not peer.send_lock.acquire(blocking=False):
                     continue  # a frame is going out: that is a sign of life already
                 try:
-                    if peer.link is link and self._send_heartbeat(link):
+                    if peer.link is link and self._send_control(link, HEARTBEAT_FRAME):
                         peer.last_sent = time.monotonic()
-                except Exception as exc:  # the receiver or the watchdog ends the link
-                    log.debug("rank %d: heartbeat to rank %d failed: %s", self.rank, peer.rank, exc)
-                finally:
+                except Exception as exc:  # a frame may be half-sent: the link is done for
                     peer.send_lock.release()
+                    self._fail(peer.rank, link, f"failed while sending a heartbeat: {exc}")
+                    continue
+                peer.send_lock.release()
 
     def _watchdog_loop(self) -> None:
         """Drop the link of a peer that sent nothing for timeout_s; notice our own pauses."""
@@ -538,13 +547,13 @@ class LinkTransport(Communicator):
                     peer.last_heard = max(peer.last_heard, now)
                 self._last_tick = now
                 continue
-            self._last_tick = now
             for j, peer in list(self.peers.items()):
                 link = peer.link
                 silent = now - peer.last_heard
                 if link is not None and silent > self.timeout_s + peer.arriving / LIVENESS_MIN_RATE:
                     self._fail(j, link, f"sent nothing for {silent:.1f} s (peer timeout {self.timeout_s:g} s): "
                                         "frozen, overloaded or cut off")
+            self._last_tick = time.monotonic()  # after the closes (slow over ucx://): they are not a stall
 
     def stalled_since(self, since: float) -> float | None:
         now = time.monotonic()

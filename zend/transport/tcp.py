@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from zend.transport.frames import FRAME, HEARTBEAT, pack_frame, unpack_frame
+from zend.transport.frames import DATA, FRAME, unpack_frame
 from zend.transport.handshake import MAX_HANDSHAKE_BYTES
 from zend.transport.link_transport import LinkTransport
 
 SOCKET_BUFFER_BYTES = 8 << 20
 _LENGTH = struct.Struct("<I")
-_HEARTBEAT = pack_frame("", 0, HEARTBEAT)
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -139,7 +138,8 @@ class TcpTransport(LinkTransport):
             self._heard(j)
             kind, tag_len, size = unpack_frame(bytes(header))
             tag = bytearray(tag_len)
-            self._reserve(j, size)
+            if kind == DATA:  # control frames are never held back: an abort may be what frees room
+                self._reserve(j, size)
             payload = self._payload_buffer(size)
             _recv_exactly_into(sock, [memoryview(tag), memoryview(payload.numpy())], progress)  # type: ignore[arg-type]
             self._received(j, kind, tag.decode(), payload)
@@ -150,13 +150,14 @@ class TcpTransport(LinkTransport):
             data = data.cpu()  # tcp:// stages GPU tensors through the host
         _send_all(link, [memoryview(header), memoryview(data.numpy())])  # type: ignore[arg-type]
 
-    def _send_heartbeat(self, link: Any) -> bool:
+    def _send_control(self, link: Any, frame: bytes) -> bool:
         # MSG_DONTWAIT for this call only: a full socket (the peer holds us back, or is frozen)
-        # must not hold the heartbeat thread; a partial write is finished, the frame kept whole
+        # must not hold the heartbeat thread; a partial write (a few bytes of room) is finished,
+        # the frame kept whole
         try:
-            sent = link.send(_HEARTBEAT, socket.MSG_DONTWAIT)
+            sent = link.send(frame, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
-        if sent < len(_HEARTBEAT):
-            link.sendall(_HEARTBEAT[sent:])
+        if sent < len(frame):
+            link.sendall(frame[sent:])
         return True

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zend.transport.frames import FRAME, MAX_TAG_BYTES, FrameError, unpack_frame
+from zend.transport.frames import DATA, FRAME, MAX_TAG_BYTES, FrameError, unpack_frame
 from zend.transport.link_transport import LinkTransport
 
 UCX_DEFAULTS = {
@@ -206,7 +206,7 @@ class UcxTransport(LinkTransport):
             size &= ~DEVICE_FLAG
             self._heard(j, arriving=size)  # the payload comes in one call: its size buys it time
             tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
-            if self._must_wait(j, size):  # backpressure: wait off the loop, other links keep going
+            if kind == DATA and self._must_wait(j, size):  # backpressure: off the loop; never for control
                 await loop.run_in_executor(None, self._reserve, j, size)
             if on_device and torch.cuda.is_available():
                 payload = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -218,6 +218,16 @@ class UcxTransport(LinkTransport):
                     await link.recv(payload.numpy())
             self._received(j, kind, tag, payload)
             del payload  # the block goes back to the pool as soon as its reader drops it
+
+    def _send_control(self, link: Any, frame: bytes) -> bool:
+        async def send() -> None:
+            await link.send(np.frombuffer(frame, dtype=np.uint8))
+
+        try:  # bounded: a frozen peer must not hold the heartbeat thread (a UCX message goes whole or not)
+            self._io(link, send(), 1.0)
+        except TimeoutError:
+            return False
+        return True
 
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
         if data.is_cuda:  # GPU memory goes as it is; the flag tells the receiver where to land it

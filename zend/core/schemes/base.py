@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,15 @@ class Scheme(ABC):
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
              deterministic: bool = False) -> SyncResult:
         """Every rank calls this with its gradient of the same tensor (same shape and dtype)."""
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The state a sync may change (auto's trial plan, its counters), for `restore`: a step
+        that aborts is retried by every node from the same state, or their schemes would part."""
+        return {k: (v.copy() if isinstance(v, list | dict | set) else v) for k, v in vars(self).items()}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        vars(self).clear()
+        vars(self).update(saved)
 
 
 class ExchangeScheme(Scheme):
