@@ -31,6 +31,7 @@ class HookState:
     topk_ratio: float = 0.01
     process_group: dist.ProcessGroup | None = None
     prefix: str = "ddp"  # give each DDP model of a job its own
+    error: BaseException | None = field(default=None, init=False)  # the zen error that failed a bucket
     _param_names: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -39,6 +40,22 @@ class HookState:
         if not 0 < self.topk_ratio <= 1:
             raise ValueError(f"topk_ratio={self.topk_ratio} must be in (0, 1]")
         self._param_names = {id(p): n for n, p in self.model.named_parameters()}
+
+    def reraise(self) -> None:
+        """Raise the typed zen error (e.g. `zen.StepAborted`) that failed the last backward, if any.
+
+        DDP hands a hook's failure to `backward()` as a RuntimeError; the training loop gets the
+        typed one back with:
+
+            try:
+                loss.backward()
+            except RuntimeError:
+                state.reraise()  # zen.StepAborted, ...: redo the step from the same state
+                raise            # not zen's
+        """
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
 
     def bucket_name(self, bucket: dist.GradBucket) -> str:
         """From the bucket's parameters, not its index: DDP rebuilds its buckets after the first step."""
@@ -54,13 +71,25 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     buffer = bucket.buffer()
     name = state.bucket_name(bucket)
     if buffer.is_sparse:
-        return state.client.allreduce_async(buffer, name=name, average=True)
+        return _noting_errors(state, state.client.allreduce_async(buffer, name=name, average=True))
     if state.dense == "topk":
-        return state.client.allreduce_async(buffer, name=name, average=True, topk=state.topk_ratio)
+        return _noting_errors(state, state.client.allreduce_async(buffer, name=name, average=True,
+                                                                  topk=state.topk_ratio))
     group = state.process_group or dist.group.WORLD
     world = dist.get_world_size(group)
     work = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _noting_errors(state: HookState, future: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    """The same future; a failure is also kept on `state` (DDP loses its type: see HookState.reraise)."""
+    def note(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        try:
+            return done.value()
+        except BaseException as exc:
+            state.error = exc
+            raise
+    return future.then(note)
 
 
 def sync_gradients(model: nn.Module, client: Client, *, average: bool = True, topk: float | None = None,

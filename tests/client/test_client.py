@@ -174,3 +174,35 @@ def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
     with zen.Client(cluster2.socket_dir(0), job="fused", token=cluster2.token("fused")) as client, \
             pytest.raises(zen.InvalidGradient, match="distinct"):
         client.allreduce_many(tensors(0)[:2], names=["x", "x"])
+
+
+def test_a_failed_bucket_comes_back_to_the_training_loop_typed():
+    """DDP turns a hook's failure into a RuntimeError; HookState.reraise gives zen's typed error back."""
+    script = (
+        "import os, torch, torch.distributed as dist, zen\n"
+        "from torch import nn\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['TEST_PORT'])\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "class Aborting:\n"
+        "    def allreduce_async(self, tensor, **kwargs):\n"
+        "        f = torch.futures.Future()\n"
+        "        f.set_exception(zen.StepAborted(\"step 4 of tensor 'emb' aborted: node 1 lost [ABORTED]\"))\n"
+        "        return f\n"
+        "model = nn.Embedding(10, 4, sparse=True)\n"
+        "ddp = nn.parallel.DistributedDataParallel(model)\n"
+        "state = zen.HookState(Aborting(), model)\n"
+        "ddp.register_comm_hook(state, zen.comm_hook)\n"
+        "try:\n"
+        "    ddp(torch.tensor([1, 2])).sum().backward()\n"
+        "    raise SystemExit('backward did not fail')\n"
+        "except RuntimeError:\n"
+        "    try:\n"
+        "        state.reraise()\n"
+        "    except zen.StepAborted as exc:\n"
+        "        print('typed:', exc)\n"
+        "state.reraise()  # nothing left: returns\n"
+        "dist.destroy_process_group()\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT}", "TEST_PORT": str(free_port())})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "typed: step 4 of tensor 'emb' aborted: node 1 lost" in run.stdout
