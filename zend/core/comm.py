@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,20 @@ class CommAborted(CommError):
     def __init__(self, message: str, code: str = "ABORTED"):
         super().__init__(message)
         self.code = code
+
+
+def voided(aborted: Mapping[str, tuple[str, str]], tag: str) -> tuple[str, str] | None:
+    """(code, reason) if `tag` is under an aborted prefix of `aborted` (prefixes end at a '/'):
+    one lookup per '/' of the tag, however many steps were aborted."""
+    if not aborted:
+        return None
+    end = tag.find("/")
+    while end >= 0:
+        hit = aborted.get(tag[: end + 1])
+        if hit is not None:
+            return hit
+        end = tag.find("/", end + 1)
+    return None
 
 
 class Communicator(ABC):

@@ -195,6 +195,10 @@ class TrainerSteps:
                                      "seconds": round(outcome.seconds, 6)})
 
     # ------------------------------------------------------------------ steps that cannot finish
+    @property
+    def _node_rank(self) -> int:
+        return self._node.comm.rank if self._node is not None else 0
+
     def _tensor_name(self, key: StepKey) -> str:
         try:
             return repr(self.registry.tensor(key.job, key.tensor_id).spec.name)
@@ -211,7 +215,7 @@ class TrainerSteps:
 
     def session_closed(self, session: Session) -> None:
         """A trainer left (or died): steps waiting for it fail now, on every node, instead of at their deadline."""
-        node = self._node.comm.rank if self._node is not None else 0
+        node = self._node_rank
         gone = (f"trainer local rank {session.local_rank} (pid {session.pid}) of job {session.job!r} on node {node} "
                 "disconnected before the step could start")
 
@@ -235,7 +239,7 @@ class TrainerSteps:
 
     def expire(self) -> None:
         """Fail steps whose local trainers did not all come within the step timeout, on every node."""
-        node = self._node.comm.rank if self._node is not None else 0
+        node = self._node_rank
 
         def error_for(step: Step) -> StepError:
             return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "

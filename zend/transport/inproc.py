@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
+from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator, voided
 
 T = TypeVar("T")
 
@@ -50,10 +50,7 @@ class InProcessCluster:
                 del self._boxes[key]
 
     def voided(self, tag: str) -> tuple[str, str] | None:
-        for prefix, hit in list(self._aborted.items()):
-            if tag.startswith(prefix):
-                return hit
-        return None
+        return voided(self._aborted, tag)
 
     def mailbox_messages(self, except_to: frozenset[int] = frozenset()) -> int:
         """Messages posted and not yet fetched, but those to ranks `except_to` (a failed step must leave none)."""
@@ -62,12 +59,12 @@ class InProcessCluster:
 
     def post(self, src: int, dst: int, tag: str, payload: torch.Tensor) -> None:
         with self._lock:  # under the lock so that `fetch` never drops a box holding a message
-            if self._aborted and self.voided(tag) is not None:
+            if self.voided(tag) is not None:
                 return
             self._box((src, dst, tag)).put(payload)
 
     def _check(self, tag: str) -> None:
-        hit = self.voided(tag) if self._aborted else None
+        hit = self.voided(tag)
         if hit is not None:
             raise CommAborted(hit[1], hit[0])
 

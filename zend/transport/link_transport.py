@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
+from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator, voided
 from zend.transport import handshake as hs
 from zend.transport.frames import ABORT, DATA, GOODBYE, HEARTBEAT, MAX_ABORT_BYTES, FrameError, pack_frame
 from zend.transport.receive_pool import ReceivePool
@@ -51,10 +51,11 @@ REPLAYED_ABORTS = 256  # the most recent aborts, told again to a peer that (re)c
 HEARTBEAT_FRAME = pack_frame("", 0, HEARTBEAT)
 
 
-def _abort_notice(code: str, reason: str) -> torch.Tensor:
-    """An abort frame's payload: the status name and the reason, as JSON."""
+def _abort_frame(prefix: str, code: str, reason: str) -> tuple[bytes, torch.Tensor]:
+    """An abort frame: its header, and its payload (the status name and the reason, as JSON)."""
     text = json.dumps({"code": code[:64], "reason": reason[:MAX_ABORT_BYTES - 128]}).encode()
-    return torch.frombuffer(bytearray(text[:MAX_ABORT_BYTES]), dtype=torch.uint8)
+    body = torch.frombuffer(bytearray(text[:MAX_ABORT_BYTES]), dtype=torch.uint8)
+    return pack_frame(prefix, body.numel(), ABORT), body
 
 
 @dataclass
@@ -458,8 +459,7 @@ class LinkTransport(Communicator):
                 return  # already voided (here, or by the peer that told us)
             self._void(prefix, code, reason)
             links = [(j, p.link) for j, p in self.peers.items() if p.link is not None]
-        body = _abort_notice(code, reason)
-        header = pack_frame(prefix, body.numel(), ABORT)
+        header, body = _abort_frame(prefix, code, reason)
         for j, link in links:  # after the step's own messages (one send lock): peers void it too
             try:
                 with self.peers[j].send_lock:
@@ -473,8 +473,7 @@ class LinkTransport(Communicator):
         stalls here cannot hold us), then set the link up for frames; the error, if it broke."""
         try:
             for prefix, (code, reason) in recent:
-                body = _abort_notice(code, reason)
-                self._send_frame(link, pack_frame(prefix, body.numel(), ABORT), body)
+                self._send_frame(link, *_abort_frame(prefix, code, reason))
             self._prepare_link(link)
         except Exception as exc:
             return exc
@@ -494,16 +493,7 @@ class LinkTransport(Communicator):
         self._cond.notify_all()
 
     def _voided(self, tag: str) -> tuple[str, str] | None:
-        """(code, reason) if `tag` is under an aborted prefix (prefixes end at a '/')."""
-        if not self._aborted:
-            return None
-        end = tag.find("/")
-        while end >= 0:
-            hit = self._aborted.get(tag[: end + 1])
-            if hit is not None:
-                return hit
-            end = tag.find("/", end + 1)
-        return None
+        return voided(self._aborted, tag)
 
     def mailbox_bytes(self) -> int:
         """Bytes received and not yet taken, over every peer (a failed step must leave none)."""
