@@ -9,8 +9,10 @@ one after the other, each after a few good steps:
 - trainer kill: kill -9 of node 0's second trainer (a process of its own). detect: from the
   kill to the last other trainer's abort. recover: from the kill to every trainer's next good
   step, a replacement trainer started at once (it is told the step the job is at).
-- daemon kill: kill -9 of the last node's daemon. detect only: a restarted daemon does not
-  rejoin a running job yet (issue 13, membership generations).
+- daemon restart: kill -9 of the last node's daemon, started again at once with the same rank
+  (the cluster is elastic: `--elastic 1`, a `zend store`). detect: from the kill to the last
+  survivor's abort. recover: from the kill to every trainer's next good step (the members form
+  a new generation; the restarted node's trainers open new sessions at the step the job is at).
 
     python benchmarks/fault_recovery.py --nodes 3,8 --rate-mbit 1000 [--peer-timeout-s 5] [--json]
 """
@@ -63,10 +65,10 @@ while True:
 class Trainer:
     """A trainer thread: steps in a loop, the same step again after an abort; keeps what happened when."""
 
-    def __init__(self, cluster: LocalCluster, node: int, local_rank: int):
+    def __init__(self, cluster: LocalCluster, node: int, local_rank: int, step: int = 0):
         self.link = TrainerSession(cluster.socket_dir(node), "j", cluster.token("j"), local_rank, 2, timeout_s=120)
         self.handle = self.link.register("emb", (ROWS, DIM))
-        self.step, self.events, self.stop = 0, [], False
+        self.step, self.events, self.stop = step, [], False
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
@@ -102,7 +104,7 @@ def scenario(n: int, rate_mbit: float, peer_timeout_s: float) -> dict[str, float
     with tempfile.TemporaryDirectory() as tmp:
         emulated = EmulatedCluster(n, rate_mbit=rate_mbit).__enter__() if rate_mbit else None
         try:
-            with LocalCluster(n, tmp, emulated=emulated, extra=extra) as c:
+            with LocalCluster(n, tmp, emulated=emulated, extra=extra, elastic=True) as c:
                 return _faults(c, n)
         finally:
             if emulated is not None:
@@ -141,12 +143,24 @@ def _faults(c: LocalCluster, n: int) -> dict[str, float | None]:
         victim = subprocess.Popen([*victim_cmd, str(at)], stdout=subprocess.PIPE, text=True, env=env)
         wait_for(lambda: all(t.step > at for t in everyone), 120, "a good step after the replacement")
         out["trainer_kill_recover_s"] = max(t.first("ok", t.first("error", t2) or t2) or 0 for t in everyone) - t2
-        # kill -9 the last daemon: detection only
+        # kill -9 the last daemon and start it again: a new generation, new sessions on that node
         t3 = time.monotonic()
         c.kill(n - 1)
         wait_for(lambda: all(t.first("error", t3) for t in others), 60, "the aborts after the daemon kill")
         out["daemon_kill_detect_s"] = max(t.first("error", t3) or 0 for t in others) - t3
-        out["daemon_kill_recover_s"] = None  # a restarted daemon does not rejoin yet
+        for (node, r), t in list(trainers.items()):
+            if node == n - 1:
+                t.stop = True  # its session died with the daemon
+                del trainers[(node, r)]
+        c.start_node(n - 1)
+        c.wait_ready(n - 1, 120)
+        at = min(t.step for t in others)
+        for r in range(2):
+            trainers[(n - 1, r)] = fresh = Trainer(c, n - 1, r, step=at)
+            fresh.thread.start()
+        everyone = list(trainers.values())
+        wait_for(lambda: all(t.first("ok", t3) for t in everyone), 120, "a good step after the daemon restart")
+        out["daemon_restart_recover_s"] = max(t.first("ok", t3) or 0 for t in everyone) - t3
     finally:
         for t in trainers.values():
             t.stop = True
@@ -172,7 +186,7 @@ def main() -> None:
     print(f"fault detection and recovery, peer timeout {args.peer_timeout_s:g} s, "
           f"{'loopback' if not args.rate_mbit else f'{args.rate_mbit:g} Mbit/s emulated'}; seconds")
     cols = ["freeze_detect_s", "freeze_recover_s", "trainer_kill_detect_s", "trainer_kill_recover_s",
-            "daemon_kill_detect_s", "daemon_kill_recover_s"]
+            "daemon_kill_detect_s", "daemon_restart_recover_s"]
     print(f"{'n':>3} " + " ".join(f"{c[:-2]:>22}" for c in cols))
     for r in rows:
         print(f"{r['n']:>3} " + " ".join(f"{r[c]:22.2f}" if r[c] is not None else f"{'not built':>22}" for c in cols))

@@ -25,6 +25,9 @@ def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
     p.add_argument("--launch", action="store_true", help="start a local cluster and all ranks here")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--trainers", type=int, default=2, help="ranks per node (with --launch)")
+    p.add_argument("--restart-daemon-at", type=int, default=None, metavar="STEP",
+                   help="with --launch --backend zen: kill -9 node 1's daemon as step STEP starts and start it "
+                        "again; the loop waits for the cluster and redoes the step (an elastic cluster)")
 
 
 def launch(script: str, args: argparse.Namespace, job: str) -> int:
@@ -33,7 +36,7 @@ def launch(script: str, args: argparse.Namespace, job: str) -> int:
 
     forward = [a for a in sys.argv[1:] if a != "--launch"]
     return run_local_job([sys.executable, script, *forward], args.nodes, args.trainers, job,
-                         with_zen=args.backend == "zen")
+                         with_zen=args.backend == "zen", restart_daemon_at=args.restart_daemon_at)
 
 
 def join_job(seed: int) -> tuple[int, int]:
@@ -45,29 +48,69 @@ def join_job(seed: int) -> tuple[int, int]:
     return rank, world
 
 
-def wrap(model: nn.Module, backend: str, **hook_options: Any) -> tuple[nn.Module, Any]:
-    """DDP over `model`; with backend zen, its sparse buckets go through the node's daemon."""
+def wrap(model: nn.Module, backend: str, **hook_options: Any) -> tuple[nn.Module, Any, Any]:
+    """DDP over `model`; with backend zen, its sparse buckets go through the node's daemon.
+    Returns (ddp, client, hook state); the last two are None without zen."""
     ddp = nn.parallel.DistributedDataParallel(model)
-    client = None
+    client = state = None
     if backend == "zen":
         import zen
 
         client = zen.Client()
-        ddp.register_comm_hook(zen.HookState(client, model, **hook_options), zen.comm_hook)
-    return ddp, client
+        state = zen.HookState(client, model, **hook_options)
+        ddp.register_comm_hook(state, zen.comm_hook)
+    return ddp, client, state
+
+
+def step_surviving_faults(run: Callable[[], torch.Tensor], client: Any, hook: Any) -> torch.Tensor:
+    """run() (forward, backward, optimiser step); when zen aborts the step (a node lost or restarted,
+    a trainer gone), wait until the cluster is whole and redo it from the same state: the optimiser
+    has not stepped, and every trainer of the job redoes the same step, so the run's losses are
+    those of a run without the fault."""
+    if client is None:
+        return run()
+    import zen
+
+    for _ in range(5):
+        try:
+            return run()
+        except RuntimeError as exc:  # DDP hands the hook's failure to backward() as a RuntimeError
+            try:
+                if isinstance(exc, zen.ZenError):
+                    raise
+                hook.reraise()
+                raise
+            except (zen.StepAborted, zen.DaemonUnavailable) as fault:
+                print(f"rank {os.environ.get('RANK', '?')}: {type(fault).__name__}: {fault}; waiting for the "
+                      "cluster, then redoing the step", file=sys.stderr, flush=True)
+                client.wait_ready(120)
+    return run()
+
+
+def fault_point(args: argparse.Namespace, rank: int, step: int) -> None:
+    """--restart-daemon-at: rank 0 asks the launcher to restart a daemon as this step starts, and
+    goes on once it is dead (so the fault falls inside the step on every rank)."""
+    folder = os.environ.get("ZEN_EXAMPLE_FAULT_DIR")
+    if folder is None or args.restart_daemon_at != step or rank != 0:
+        return
+    open(os.path.join(folder, "request"), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(folder, "done")) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Callable[[int], Any],
                 loss_of: Callable[[Any], torch.Tensor], wire_of: Callable[[Any], dict[str, Any]],
-                dense_bytes: float, what: str) -> list[dict[str, Any]]:
+                dense_bytes: float, what: str, hook: Any = None) -> list[dict[str, Any]]:
     """args.steps steps of `loss_of(batch_of(step))` (its backward and optimiser step included),
     timed from the batch on; `wire_of(client)` gives the daemon's bytes (only with zen). Reports on
     rank 0, then closes the client and the process group. Returns one row per step."""
     rows: list[dict[str, Any]] = []
     for step in range(args.steps):
         batch = batch_of(step)
+        fault_point(args, rank, step)
         t0 = time.perf_counter()
-        loss = loss_of(batch)
+        loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
         seconds = time.perf_counter() - t0
         row: dict[str, Any] = {"step": step, "loss": loss.item(), "seconds": seconds}
         if client is not None:

@@ -71,7 +71,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         sparse = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         total = sum(p.numel() for p in model.parameters())
         print(f"{total:,} parameters, {sparse / total:.0%} in embedding tables", flush=True)
-    ddp, client = wrap(model, args.backend, dense=args.dense, topk_ratio=args.topk)
+    ddp, client, hook = wrap(model, args.backend, dense=args.dense, topk_ratio=args.topk)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     trace = TokenTrace.default(seqs=args.batch, seq_len=args.context + 1, seed=args.seed)
 
@@ -90,7 +90,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         return {"wire_bytes": float(stats.bytes_sent) if stats is not None else 0.0}
 
     dense_bytes = 2 * (world - 1) / world * GPT2_VOCAB * args.dim * 4
-    return train_steps(args, rank, client, batch_of, loss_of, wire_of, dense_bytes, "embedding")
+    return train_steps(args, rank, client, batch_of, loss_of, wire_of, dense_bytes, "embedding", hook)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,7 +177,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     rank, world = join_job(args.seed)
     nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     model = Recommender(data.sizes, args.dim, args.hidden, sparse=args.backend != "gloo-dense")
-    ddp, client = wrap(model, args.backend, prefix="recsys")
+    ddp, client, hook = wrap(model, args.backend, prefix="recsys")
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     # what a dense allreduce of each table would send from one node (the daemon's own reference)
     dense = {name: 2 * (nodes - 1) * data.sizes[name] * args.dim * 4 // nodes for name in TABLES}
@@ -201,7 +201,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         return {"wire_bytes": float(sum(sent.values())),
                 "tables": {name: {"wire_bytes": sent.get(name, 0), "dense_bytes": dense[name]} for name in TABLES}}
 
-    return train_steps(args, rank, client, batch_of, loss_of, wire_of, float(sum(dense.values())), "tables")
+    return train_steps(args, rank, client, batch_of, loss_of, wire_of, float(sum(dense.values())), "tables", hook)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import grpc
 import torch
 
 from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, ZenError, from_rpc_error
+from zend.core import dtypes
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
 from zend.protocol import paths
@@ -74,13 +76,9 @@ class Client:
                                     "(is the sidecar running? ZEN_SOCKET_DIR points elsewhere?)")
         self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None else local_world_size
-        try:
-            self._session = TrainerSession(self.socket_dir, self.job, token, self.local_rank, self.local_world_size,
-                                     timeout_s=min(timeout_s, 30.0))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
-        except (ConnectionError, OSError) as exc:
-            raise DaemonUnavailable(f"zend daemon at {self.address}: {exc}") from None
+        self._token = token
+        self._session = self._open_session(min(timeout_s, 30.0))
+        self.generation = self._session.generation
         self._tensors: dict[str, _Tensor] = {}
         self._topk: dict[float, TopKCompressor] = {}
         self._lock = threading.Lock()
@@ -90,6 +88,64 @@ class Client:
     def world_size(self) -> int:
         """Trainers of the job across the cluster (nodes x local world size)."""
         return self._session.node_count * self.local_world_size
+
+    def _open_session(self, timeout_s: float) -> TrainerSession:
+        try:
+            return TrainerSession(self.socket_dir, self.job, self._token, self.local_rank, self.local_world_size,
+                                  timeout_s=timeout_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        except (ConnectionError, OSError) as exc:
+            raise DaemonUnavailable(f"zend daemon at {self.address}: {exc}") from None
+
+    # ------------------------------------------------------------------ after a fault
+    def wait_ready(self, timeout_s: float = 120.0) -> int:
+        """Block until the job's cluster is whole again (every node of the membership connected, no
+        change under way); returns the membership generation. DaemonUnavailable after timeout_s.
+
+        After zen.StepAborted: call this, then submit the same step again, from the same state, as
+        every trainer of the job does. If this node's daemon itself restarted, the session is opened
+        again and every tensor registered again; their step counters are kept."""
+        deadline = time.monotonic() + timeout_s
+        why = "no answer yet"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonUnavailable(f"zend at {self.address}: the cluster is not whole within {timeout_s:g} s: "
+                                        f"{why}")
+            try:
+                if self._session.closed:
+                    self._reopen(min(left, 5.0))
+                reply = self._session.ready(min(left, 10.0))
+                if reply.ready:
+                    self.generation = int(reply.generation)
+                    return self.generation
+                why = reply.reason
+                continue
+            except grpc.RpcError as exc:
+                code, why = exc.code(), f"{exc.code().name}: {exc.details()}"
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise from_rpc_error(exc, self.address) from None
+                # our session is unknown (the daemon restarted) or its daemon is gone: a new session
+                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    self._session.close()
+            except ZenError as exc:  # a new session refused: the daemon still joining, or down
+                if isinstance(exc, NotAuthorized):
+                    raise
+                why = str(exc)
+            time.sleep(0.2)
+
+    def _reopen(self, timeout_s: float) -> None:
+        """A new session with a restarted daemon, every tensor registered again under its name."""
+        self._session = self._open_session(timeout_s)
+        for name, entry in self._tensors.items():
+            spec = entry.handle.spec
+            try:
+                entry.handle = self._session.register(name, spec.shape, dtypes.BY_NAME[spec.dtype_name].torch,
+                                                      dense=spec.layout == "dense", average=spec.average,
+                                                      device=entry.handle.device)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, self.address) from None
 
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, tensor: torch.Tensor | Indexed, *, name: str, average: bool = False,

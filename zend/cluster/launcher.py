@@ -27,22 +27,33 @@ def rank_env(node: int, local: int, nodes: int, trainers: int, master_port: int,
     return env
 
 
-def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool) -> int:
+def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool,
+                  restart_daemon_at: int | None = None) -> int:
     """`argv` as NODES x TRAINERS ranks on this machine (with a zend cluster if `with_zen`).
 
     Returns the worst exit code; when a rank fails, the others (which would wait for it in
-    their process group) are stopped at once.
+    their process group) are stopped at once. With `restart_daemon_at` the cluster is elastic
+    and node 1's daemon is killed (-9) and started again when rank 0 asks (examples/common.py).
     """
     with tempfile.TemporaryDirectory(prefix=f"zen-{job}-") as tmp, contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=["--log-format", "text"])) \
+        faults = restart_daemon_at is not None and with_zen and nodes > 1
+        extra = ["--log-format", "text", *(["--peer-timeout-s", "2"] if faults else [])]
+        cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=extra, elastic=faults)) \
             if with_zen else None
         port = free_port()
-        procs = [subprocess.Popen(list(argv), env={**os.environ, **rank_env(n, r, nodes, trainers, port, cluster, job)})
+        fault_env = {"ZEN_EXAMPLE_FAULT_DIR": tmp} if faults else {}
+        procs = [subprocess.Popen(list(argv), env={**os.environ, **rank_env(n, r, nodes, trainers, port, cluster, job),
+                                                   **fault_env})
                  for n in range(nodes) for r in range(trainers)]
         try:
             while any(p.poll() is None for p in procs):
                 if any(p.returncode not in (None, 0) for p in procs):
                     break
+                if cluster is not None and faults and os.path.exists(os.path.join(tmp, "request")):
+                    os.unlink(os.path.join(tmp, "request"))
+                    cluster.kill(1)
+                    cluster.start_node(1)
+                    open(os.path.join(tmp, "done"), "w").close()
                 time.sleep(0.2)
         finally:
             for p in procs:

@@ -36,7 +36,7 @@ class LocalCluster:
     """`with LocalCluster(4, workdir) as c:` N daemons; `c.socket_dir(i)`, `c.token(job)`, `c.kill(i)`."""
 
     def __init__(self, nodes: int, workdir: str | Path, *, transport: str = "tcp", emulated: Any = None,
-                 metrics: bool = True, rendezvous: bool = False, extra: Sequence[str] = (),
+                 metrics: bool = True, rendezvous: bool = False, elastic: bool = False, extra: Sequence[str] = (),
                  env: dict[str, str] | None = None, ready_timeout_s: float = 60.0):
         if nodes < 1:
             raise ValueError(f"nodes {nodes} must be at least 1")
@@ -54,7 +54,10 @@ class LocalCluster:
         self.peers = [f"{transport}://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
         self.metrics_ports = [free_port() if metrics and not emulated else 0 for _ in range(nodes)]
         # rendezvous: node 0 hosts torch's TCPStore; nobody is told the others' addresses
-        self.store = f"{hosts[0]}:{free_port() if not emulated else 29500}" if rendezvous else ""
+        # elastic: torch's elastic rendezvous in a store of its own (`zend store`) that outlives every node
+        self.elastic = elastic
+        self.store = f"{hosts[0]}:{free_port() if not emulated else 29500}" if rendezvous or elastic else ""
+        self.store_proc: subprocess.Popen[bytes] | None = None
         self.env = {**os.environ, **(env or {}), "ZEN_CLUSTER_SECRET_FILE": str(self.secret_file)}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -70,6 +73,8 @@ class LocalCluster:
     def argv(self, node: int) -> list[str]:
         membership = ["--rendezvous", self.store, "--listen", self.peers[node]] if self.store else [
             "--peers", ",".join(self.peers)]
+        if self.elastic:
+            membership += ["--elastic", "1"]
         return [sys.executable, "-m", "zend", "serve", "--rank", str(node), "--world-size", str(self.nodes),
                 *membership, "--transport", self.transport,
                 "--socket-dir", self.socket_dir(node), "--metrics-port", str(self.metrics_ports[node]),
@@ -84,8 +89,39 @@ class LocalCluster:
                                             start_new_session=True)
         log.close()
 
+    def start_store(self) -> None:
+        """The elastic rendezvous store, in its own process (in node 0's namespace when emulated)."""
+        log = open(self.workdir / "store.log", "ab")  # noqa: SIM115 (the child owns it)
+        argv = [sys.executable, "-m", "zend", "store", "--listen", self.store]
+        if self.emulated is not None:
+            argv = ["ip", "netns", "exec", self.emulated.namespace(0), *argv]
+        self.store_proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                           start_new_session=True)
+        log.close()
+        host, _, port = self.store.rpartition(":")
+        deadline = time.monotonic() + 30
+        while True:  # until it accepts connections
+            if self.store_proc.poll() is not None:
+                raise RuntimeError(f"zend store exited with {self.store_proc.returncode}: "
+                                   f"{(self.workdir / 'store.log').read_text(errors='replace')[-2000:]}")
+            try:
+                with socket.create_connection((host, int(port)), timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"zend store at {self.store} not up within 30 s") from None
+                time.sleep(0.05)
+
+    def restart(self, node: int, timeout_s: float | None = None) -> None:
+        """kill -9 node's daemon, start it again with the same rank, wait until it is ready."""
+        self.kill(node)
+        self.start_node(node)
+        self.wait_ready(node, timeout_s)
+
     def __enter__(self) -> LocalCluster:
         try:
+            if self.elastic:
+                self.start_store()
             for i in range(self.nodes):
                 self.start_node(i)
             for i in range(self.nodes):
@@ -129,12 +165,13 @@ class LocalCluster:
             os.killpg(self.procs[node].pid, sig)
 
     def close(self) -> None:
-        for proc in self.procs.values():
+        procs = [*self.procs.values(), *([self.store_proc] if self.store_proc is not None else [])]
+        for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        for proc in self.procs.values():
+        for proc in procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -17,7 +17,10 @@ HELP = {
     "rank": "this node's rank", "world_size": "number of nodes",
     "peers": "comma-separated data-plane URIs of every node, in rank order (tcp://HOST:PORT or ucx://HOST:PORT)",
     "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it), or 'env' for MASTER_ADDR/MASTER_PORT/RANK/"
-                  "WORLD_SIZE", "listen": "this node's data-plane URI (default: its entry in --peers)",
+                  "WORLD_SIZE",
+    "elastic": "1: membership by torch's elastic rendezvous over a store that outlives the daemons (`zend store`); "
+               "a restarted daemon rejoins, every node moves to a new generation",
+    "listen": "this node's data-plane URI (default: its entry in --peers)",
     "transport": "tcp, ucx or auto", "secret_file": "file with the cluster secret (or $ZEN_CLUSTER_SECRET_FILE / "
                                                     "$ZEN_CLUSTER_SECRET; never on the command line)",
     "socket_dir": "folder of the trainer sockets zend.sock and buffers.sock",
@@ -47,6 +50,11 @@ def add_commands(sub: Any) -> None:
     _add_daemon_address(health)
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(run=cmd_health)
+    store = sub.add_parser("store", help="host the rendezvous store of an elastic cluster (--elastic 1)",
+                           description="Host torch's TCPStore that the rounds of an elastic zen cluster live in; "
+                                       "it must outlive every daemon (run it beside the cluster, not in a node).")
+    store.add_argument("--listen", required=True, metavar="HOST:PORT")
+    store.set_defaults(run=cmd_store)
     token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon)")
     token.add_argument("--job", required=True)
     token.add_argument("--secret-file", default=None)
@@ -141,6 +149,26 @@ def cmd_health(args: argparse.Namespace) -> int:
         return 1
     print(f"zend health: {address}: {status}")
     return 0 if status == "SERVING" else 1
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    import threading
+
+    from zend.daemon.elastic import serve_store
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        print(f"zend store: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        serve_store(host, int(port), stop, ready=lambda: print(f"zend store: serving on {args.listen}", flush=True))
+    except Exception as exc:
+        print(f"zend store: cannot serve on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_token(args: argparse.Namespace) -> int:

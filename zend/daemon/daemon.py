@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from dataclasses import replace
 from typing import Any
@@ -25,8 +26,9 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferServer, SessionInfo
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
+from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.jobs import JobRegistry, Session
-from zend.daemon.membership import Membership, from_environment, rendezvous, static_membership
+from zend.daemon.membership import Membership, MembershipError, from_environment, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
@@ -66,6 +68,8 @@ class Daemon:
         self.health = health.HealthServicer()
         self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
                                      "not started")  # start() finds the real one
+        self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
+        self.last_change = ("", 0.0)  # (what made the current generation, unix time)
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -80,12 +84,11 @@ class Daemon:
             self.metrics.serve(s.metrics_host, s.metrics_port)  # OSError at once if the port is taken
         self.membership = self._find_membership()
         self._start_data_plane()
-        comm = self.transport if self.transport is not None else _Alone()
-        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s))
+        self._open_steps()
         m = self.membership
-        self.metrics.set_node(s.rank, self.transport_name, self.ucx_transports(), m.source.split(" ")[0],
-                              m.generation)
         self._spawn(self._housekeeping, "housekeeping")
+        if self.elastic is not None:
+            self._spawn(self._watch_membership, "membership")
         if not self.trainer_steps.draining:  # an operator may have drained it while it was joining
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
@@ -96,7 +99,7 @@ class Daemon:
     def _services(self) -> tuple[TrainerService, OperatorService]:
         s, count_error = self.settings, self.metrics.count_error
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
-                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error)
+                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.wait_whole)
         operator = OperatorService(self.status, self.drain, s.drain_timeout_s, count_error)
         return trainer, operator
 
@@ -134,6 +137,14 @@ class Daemon:
         for name in ("", *SERVICES):
             self.health.set(name, status)
 
+    def _open_steps(self) -> None:
+        """Admit steps again, run over the current data plane (at start, and after a new generation)."""
+        s, m = self.settings, self.membership
+        comm = self.transport if self.transport is not None else _Alone()
+        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s))
+        self.metrics.set_node(s.rank, self.transport_name, self.ucx_transports(), m.source.split(" ")[0],
+                              m.generation)
+
     def _find_membership(self) -> Membership:
         s = self.settings
         if s.rendezvous:
@@ -142,6 +153,12 @@ class Daemon:
             else:
                 host, _, port_text = s.rendezvous.rpartition(":")
                 port, world_size, rank = int(port_text), s.world_size, s.rank
+            if s.elastic:
+                self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
+                                                 agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
+                                                 timeout_s=s.connect_timeout_s)
+                self.last_change = ("joined", time.time())
+                return self.elastic.join()
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
                               timeout_s=s.connect_timeout_s)
         if not s.peers:  # one node: no data plane
@@ -184,6 +201,80 @@ class Daemon:
                 self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
                                    "socket", "session_expired", after_s=self.settings.claim_timeout_s)
 
+    # ------------------------------------------------------------------ a membership that changes
+    def _watch_membership(self) -> None:
+        """(--elastic) A daemon waiting to join (a restarted one) makes every member move to the next
+        round, so all of them, the newcomer included, form the next generation."""
+        assert self.elastic is not None
+        complained = 0.0
+        while not self._stopped.wait(0.5):
+            try:
+                waiting = self.elastic.waiting()
+            except MembershipError as exc:  # the store is gone: keep serving this generation, say so
+                if time.monotonic() - complained > 30:
+                    log.warning("membership store unreachable", extra={"event": "membership_store", "error": str(exc)})
+                    complained = time.monotonic()
+                continue
+            if waiting and not self._stopped.is_set():
+                self._regenerate(f"{waiting} node(s) waiting to join generation {self.membership.generation}")
+
+    def _regenerate(self, why: str) -> None:
+        """Leave this generation and form the next: steps of this one abort everywhere (their links
+        close), every tensor is agreed on again, and the new links carry the new generation."""
+        assert self.elastic is not None
+        s, old = self.settings, self.membership
+        log.warning("membership changing", extra={"event": "membership_change", "generation": old.generation,
+                                                   "reason": why})
+        if not self.trainer_steps.draining:
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.trainer_steps.changing = f"membership changing after generation {old.generation}: {why}"
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.close()  # steps in flight fail now (ABORTED) instead of waiting on a dead peer
+        self.trainer_steps.suspend(self.trainer_steps.changing, s.step_timeout_s)
+        self.registry.new_generation(self.new_scheme)
+        while not self._stopped.is_set():
+            try:
+                self.membership = self.elastic.join()
+                self._start_data_plane()
+                break
+            except (MembershipError, OSError, TimeoutError) as exc:  # no complete round yet: keep trying
+                log.warning("membership not formed, retrying", extra={"event": "membership_retry", "error": str(exc)})
+                if self.transport is not None:
+                    self.transport.close()
+                    self.transport = None
+        if self._stopped.is_set():
+            return
+        self.last_change = (why, time.time())
+        self._open_steps()
+        if not self.trainer_steps.draining:
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.warning("membership changed", extra={"event": "membership_changed", "generation":
+                                                 self.membership.generation, "nodes": self.membership.world_size})
+
+    def not_whole(self) -> str | None:
+        """Why this node cannot run steps now (a change under way, a peer lost), or None."""
+        if self.trainer_steps.changing is not None:
+            return self.trainer_steps.changing
+        if self.trainer_steps.draining:
+            return "the daemon is draining"
+        transport = self.transport
+        if self.membership.world_size > 1 and transport is None:
+            return "the daemon is still joining its cluster"
+        lost = [p for p in (transport.peer_states() if transport is not None else []) if not p.connected]
+        if lost:
+            return "; ".join(f"node {p.rank} lost" + (f": {p.error}" if p.error else "") for p in lost)
+        return None
+
+    def wait_whole(self, timeout_s: float) -> str | None:
+        """Wait up to timeout_s for the membership to be whole; None when it is, else why not."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            why = self.not_whole()
+            if why is None or time.monotonic() >= deadline or self._stopped.is_set():
+                return why
+            time.sleep(0.05)
+
     # ------------------------------------------------------------------ what the node reports
     def readings(self) -> NodeReadings:
         """The levels Prometheus scrapes."""
@@ -210,7 +301,7 @@ class Daemon:
                         for t in self.registry.tensor_list())
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
                           tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.trainer_steps.draining,
-                          daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors)
+                          daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change)
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str) -> SessionInfo | None:
@@ -251,6 +342,8 @@ class Daemon:
         self.buffers.close()
         if self.transport is not None:
             self.transport.close()
+        if self.elastic is not None:
+            self.elastic.close()
         if os.path.exists(self.settings.grpc_socket):
             os.unlink(self.settings.grpc_socket)
         log.info("daemon stopped", extra={"event": "stopped"})

@@ -12,6 +12,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,14 @@ class JobRegistry:
     def tensor_list(self) -> list[TensorState]:
         with self._lock:
             return list(self.tensors.values())
+
+    def new_generation(self, new_scheme: Callable[[], Any]) -> None:
+        """Every tensor as if first registered: the nodes of a new generation agree on it again, and a
+        fresh scheme (auto's plan) on every node, since a node that joined has nothing else."""
+        for state in self.tensor_list():
+            with state.lock:  # after the tensor's step in flight, if any
+                state.agreed = False
+                state.scheme = new_scheme()
 
     def close_session(self, session_id: str) -> Session | None:
         with self._lock:

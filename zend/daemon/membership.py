@@ -77,7 +77,7 @@ def _check_cluster_id(cluster_id: object) -> str:
     return cluster_id
 
 
-def _with_protocol(agreed: object) -> dict[str, object]:
+def with_protocol(agreed: object) -> dict[str, object]:
     """`agreed` plus the protocol version, round-tripped through JSON so every rank compares like with like."""
     if not isinstance(agreed, Mapping):
         raise MembershipError(f"agreed={agreed!r} must be a dict of setting name to JSON value")
@@ -108,7 +108,7 @@ def _address(label: str, uri: object) -> tuple[str, int]:
     return host.lower(), port
 
 
-def _check_unique(uris: Mapping[int, str], label: str) -> None:
+def check_unique(uris: Mapping[int, str], label: str) -> None:
     """Two ranks on one host:port would each dial the other's listener; refuse with both named."""
     seen: dict[tuple[str, int], int] = {}
     for index, uri in uris.items():
@@ -129,10 +129,10 @@ def static_membership(rank: int, world_size: int, peers: Sequence[str], *, clust
     if len(peers) != world_size:
         raise MembershipError(f"peers has {len(peers)} URIs {list(peers)!r} but world_size={world_size}")
     by_rank = dict(enumerate(peers))
-    _check_unique(by_rank, "peers[{}]")
+    check_unique(by_rank, "peers[{}]")
     return Membership(rank=rank, world_size=world_size, peers=by_rank,
                       generation=_check_int("generation", generation, 0), cluster_id=_check_cluster_id(cluster_id),
-                      agreed=_with_protocol(agreed), source="static")
+                      agreed=with_protocol(agreed), source="static")
 
 
 def from_environment(env: Mapping[str, str]) -> tuple[str, int, int, int]:
@@ -287,7 +287,7 @@ class _Round:
             except (ValueError, KeyError, TypeError):
                 raise MembershipError(f"rank {rank} published an unreadable entry {raw[:200]!r} at "
                                       f"{self.where} (a different zend version?)") from None
-        _check_unique(uris, "rank {}")
+        check_unique(uris, "rank {}")
         check_agreement(agreed_by_rank)
         return Membership(rank=self.rank, world_size=self.world_size, peers=uris, generation=generation,
                           cluster_id=cluster_id, agreed=agreed_by_rank[0], source=f"rendezvous {self.where}")
@@ -309,7 +309,7 @@ def rendezvous(store_host: str, store_port: int, rank: int, world_size: int, my_
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
         raise MembershipError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     _address(f"rank {rank} my_uri", my_uri)
-    agreed = _with_protocol(agreed)
+    agreed = with_protocol(agreed)
     round_ = _Round(store_host, store_port, rank, world_size, cluster_id, float(timeout_s))
     try:
         return round_.run(my_uri, agreed, cluster_id)

@@ -41,7 +41,8 @@ def status_reply(s: NodeStatus) -> Any:
                            cluster_id=s.cluster_id, membership=s.membership, transport=s.transport,
                            ucx_transports=list(s.ucx_transports), steps_in_flight=s.steps_in_flight,
                            draining=s.draining, daemon_version=s.daemon_version,
-                           buffer_pool_bytes=s.buffer_pool_bytes)
+                           buffer_pool_bytes=s.buffer_pool_bytes, last_membership_change=s.last_membership_change,
+                           last_membership_change_unix=s.last_membership_change_unix)
     for p in s.peers:
         reply.peers.add(rank=p.rank, address=p.address, connected=p.connected, error=p.error)
     for session in s.sessions:

@@ -30,6 +30,7 @@ class Settings:
     world_size: int = 1
     peers: tuple[str, ...] = ()          # data-plane URI of every node, in rank order
     rendezvous: str = ""                 # "host:port" of torch's TCPStore; "env" reads MASTER_ADDR/PORT
+    elastic: int = 0                     # 1: the rendezvous store outlives the daemons; a restarted one rejoins
     listen: str = ""                     # own data-plane URI (default: peers[rank])
     transport: str = "auto"              # tcp, ucx or auto (resolved from the peers' URIs)
     cluster_id: str = "zen"
@@ -141,6 +142,10 @@ def validate(s: Settings) -> None:
         raise bad("peers", f"lists {len(s.peers)} addresses for a world size of {s.world_size}")
     if not s.peers and not s.rendezvous and s.world_size > 1:
         raise bad("world_size", "more than one node needs peers or rendezvous")
+    if s.elastic not in (0, 1):
+        raise bad("elastic", "must be 0 or 1")
+    if s.elastic and not s.rendezvous:
+        raise bad("elastic", "needs rendezvous: HOST:PORT of a store that outlives the daemons (`zend store`)")
     if s.rendezvous and not s.listen:
         raise bad("listen", "rendezvous needs this node's own data-plane URI")
     for uri in [*s.peers, *([s.listen] if s.listen else [])]:

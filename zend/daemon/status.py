@@ -42,7 +42,7 @@ class NodeStatus:
     node_count: int
     generation: int
     cluster_id: str
-    membership: str  # "static" or "rendezvous tcpstore://host:port"
+    membership: str  # "static", "rendezvous tcpstore://host:port" or "elastic tcpstore://..."
     transport: str  # "tcp", "ucx", or "none" for a one-node cluster
     ucx_transports: tuple[str, ...]
     steps_in_flight: int
@@ -52,3 +52,5 @@ class NodeStatus:
     peers: tuple[PeerStatus, ...]
     sessions: tuple[SessionStatus, ...]
     tensors: tuple[TensorStatus, ...]
+    last_membership_change: str = ""  # what made the last generation (elastic membership), "" before any
+    last_membership_change_unix: float = 0.0

@@ -97,11 +97,11 @@ class StepTable:
                 self._attempts[step.key] = step.attempt + 1
             step.done.set()
 
-    def abandon(self, job: str, error_for: Any) -> list[Step]:
-        """A job's trainer is gone: fail that job's steps that have not started (they hold its part, or
-        wait for it in vain), each with error_for(step)."""
+    def abandon(self, job: str | None, error_for: Any) -> list[Step]:
+        """A job's trainer is gone (job None: the node's membership changes): fail that job's steps that
+        have not started (they hold its part, or wait for it in vain), each with error_for(step)."""
         with self._lock:
-            victims = [s for s in self._open.values() if not s.started and s.key.job == job]
+            victims = [s for s in self._open.values() if not s.started and job in (None, s.key.job)]
         for step in victims:
             self.finish(step, error=error_for(step))
         return victims
@@ -114,6 +114,13 @@ class StepTable:
         for step in victims:
             self.finish(step, error=error_for(step))
         return victims
+
+    def new_generation(self) -> None:
+        """A new membership generation starts every tensor afresh: no kept results (a node that joined
+        has none, and a step redone after the change runs again on every node), attempts from 0."""
+        with self._lock:
+            self._last.clear()
+            self._attempts.clear()
 
     def in_flight(self) -> int:
         with self._lock:

@@ -26,6 +26,7 @@ from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
 from zend.protocol.layout import TensorSpec
 from zend.protocol.version import daemon_version
 
+MAX_READY_WAIT_S = 30.0  # one Ready call holds a gRPC worker at most this long; clients call again
 log = logging.getLogger("zend.service")
 
 
@@ -46,14 +47,17 @@ class TrainerService(pb_grpc.TrainerServicer):
         end_session: what the daemon does when a trainer closes its session.
         step_timeout_s: how long a Submit without a deadline waits.
         count_error: counts each error status answered.
+        wait_whole: waits up to a timeout for the node's membership to be whole; None, or why not.
     """
 
     def __init__(self, registry: JobRegistry, trainer_steps: TrainerSteps, membership: Callable[[], Membership],
                  buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
-                 step_timeout_s: float, count_error: Callable[[str], None]):
+                 step_timeout_s: float, count_error: Callable[[str], None],
+                 wait_whole: Callable[[float], str | None] = lambda timeout_s: None):
         self.registry, self.trainer_steps, self.membership = registry, trainer_steps, membership
         self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
+        self.wait_whole = wait_whole
 
     def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
         """The open session, if the caller holds its job's token (an unknown session is NOT_FOUND first)."""
@@ -106,3 +110,12 @@ class TrainerService(pb_grpc.TrainerServicer):
         return pb.SubmitReply(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
                               bytes_received=out.bytes_received, dense_bytes=out.dense_bytes,
                               phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()])
+
+    @maps_errors
+    def Ready(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._session(context, request.session_id)
+        left = context.time_remaining()
+        timeout_s = min(max(0.0, request.timeout_seconds), MAX_READY_WAIT_S, left - 0.05 if left else MAX_READY_WAIT_S)
+        why = self.wait_whole(max(0.0, timeout_s))
+        m = self.membership()
+        return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "")

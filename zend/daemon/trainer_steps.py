@@ -51,16 +51,40 @@ class TrainerSteps:
         self._node: NodeSteps | None = None
         self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
         self._gone: dict[tuple[str, int], str] = {}  # (job, local rank) -> why its trainer left, until replaced
+        self.changing: str | None = None  # why the membership is changing (steps refused until `open`)
         self._lock = threading.Lock()
 
     def open(self, node: NodeSteps) -> None:
         """Start admitting steps, run by `node`."""
-        self._node = node
+        with self._lock:
+            self._node, self.changing = node, None
+
+    def suspend(self, reason: str, timeout_s: float) -> None:
+        """The node's membership changes: refuse new steps (ABORTED, naming `reason`), fail those not
+        started, and wait up to timeout_s for those running (their transport is being closed)."""
+        with self._lock:
+            self._node, self.changing = None, reason
+
+        def error_for(step: Step) -> StepError:
+            return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "
+                                            f"{reason}")
+        for step in self.table.abandon(None, error_for):
+            assert step.error is not None
+            self.metrics.count_error(step.error.code)
+        self.wait_in_flight(timeout_s)
+        with self._lock:
+            self._open_by_session.clear()
+        self.table.new_generation()
 
     def check_accepting(self, what: str) -> None:
-        """UNAVAILABLE while the daemon is joining its cluster or draining."""
+        """UNAVAILABLE while the daemon is joining its cluster or draining; ABORTED while its membership
+        changes (the trainer waits for Ready and submits the step again)."""
         if self.draining:
             raise StepError(codes.UNAVAILABLE, f"the daemon is draining: no new {what}")
+        changing = self.changing
+        if changing is not None and what == "steps":
+            raise StepError(codes.ABORTED, f"no new steps while the membership changes ({changing}): wait until "
+                                           "the daemon is ready (zen.Client.wait_ready) and submit the step again")
         if self._node is None:
             raise StepError(codes.UNAVAILABLE, f"the daemon is still joining its cluster: no {what} yet")
 
@@ -119,6 +143,8 @@ class TrainerSteps:
             if waiting is not None and waiting != step_no:
                 raise StepError(codes.FAILED_PRECONDITION, f"step {waiting} of tensor {state.spec.name!r} is still "
                                                            f"in flight for this trainer; submit {step_no} after it")
+            node = self._node
+            assert node is not None  # check_accepting refused the step otherwise
             step, start = self.table.join(key, session.local_rank, session.session_id, part,
                                           state.local_world_size)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
@@ -130,7 +156,7 @@ class TrainerSteps:
         if err is not None:
             self._abort_everywhere(step, err)
         elif start:
-            self._run(state, step)
+            self._run(node, state, step)
         return step
 
     def _vacancy(self, job: str) -> str | None:
@@ -166,11 +192,10 @@ class TrainerSteps:
         self.metrics.record_delivery(outcome.scheme, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ the step
-    def _run(self, state: TensorState, step: Step) -> None:
-        assert self._node is not None  # _join refused the step otherwise
+    def _run(self, node: NodeSteps, state: TensorState, step: Step) -> None:
         key = step.key
         try:
-            outcome = self._node.run(state, key, [step.parts[r] for r in sorted(step.parts)],
+            outcome = node.run(state, key, [step.parts[r] for r in sorted(step.parts)],
                                      waited_s=time.monotonic() - step.opened_at, attempt=step.attempt)
         except StepError as err:  # every waiting trainer gets it
             self.metrics.count_error(err.code)
@@ -210,8 +235,9 @@ class TrainerSteps:
         self.metrics.count_error(err.code)
         log.warning("step aborted", extra={"event": "step_aborted", "job": step.key.job, "step": step.key.step,
                                            "code": err.code, "error": err.message})
-        if self._node is not None:
-            self._node.abort(step.key, step.attempt, err)
+        node = self._node
+        if node is not None:
+            node.abort(step.key, step.attempt, err)
 
     def session_closed(self, session: Session) -> None:
         """A trainer left (or died): steps waiting for it fail now, on every node, instead of at their deadline."""

@@ -78,6 +78,7 @@ class TrainerSession:
     def __init__(self, socket_dir: str, job: str, token: str, local_rank: int = 0, local_world_size: int = 1,
                  timeout_s: float = 60.0, steps_on_socket: bool = True):
         self.job, self.timeout_s = job, timeout_s
+        self.closed = False
         self.steps_on_socket = steps_on_socket
         self._step_links = threading.local()
         self._step_clients: list[BufferClient] = []
@@ -90,7 +91,7 @@ class TrainerSession:
                                                             local_world_size=local_world_size, pid=os.getpid()),
                                       timeout=timeout_s, metadata=self.metadata, wait_for_ready=True)
         self.session_id = reply.session_id
-        self.node_rank, self.node_count = reply.node_rank, reply.node_count
+        self.node_rank, self.node_count, self.generation = reply.node_rank, reply.node_count, reply.generation
         self.buffer_socket = reply.buffer_socket
         self.buffers = BufferClient(reply.buffer_socket, self.session_id, timeout_s=timeout_s)
 
@@ -104,6 +105,11 @@ class TrainerSession:
             layout=LAYOUT_TO_PROTO[layout], average=average), timeout=self.timeout_s, metadata=self.metadata)
         spec = TensorSpec(self.job, name, tuple(shape), dtype_name, layout, average)
         return TensorHandle(reply.tensor_id, spec, device, result=self.buffers.alloc(reply.max_result_bytes, device))
+
+    def ready(self, timeout_s: float) -> Any:
+        """The daemon's ReadyReply once the node's membership is whole, or after timeout_s (ready false)."""
+        return self.stub.Ready(pb.ReadyRequest(session_id=self.session_id, timeout_seconds=timeout_s),
+                               timeout=timeout_s + 5.0, metadata=self.metadata)
 
     def _input_buffer(self, handle: TensorHandle, nbytes: int) -> Any:
         if handle.input is None or handle.input.nbytes < nbytes:
@@ -171,6 +177,10 @@ class TrainerSession:
         return link
 
     def close(self) -> None:
+        """Idempotent; after it `closed` is true (a client then opens a new session)."""
+        if self.closed:
+            return
+        self.closed = True
         with self._step_lock:
             links, self._step_clients = self._step_clients, []
         for link in links:

@@ -139,6 +139,26 @@ class SubmitReply(_message.Message):
     phases: _containers.RepeatedCompositeFieldContainer[PhaseSeconds]
     def __init__(self, nnz: _Optional[int] = ..., scheme: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ...) -> None: ...
 
+class ReadyRequest(_message.Message):
+    __slots__ = ("session_id", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ReadyReply(_message.Message):
+    __slots__ = ("ready", "generation", "node_count", "reason")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    generation: int
+    node_count: int
+    reason: str
+    def __init__(self, ready: _Optional[bool] = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -204,7 +224,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes")
+    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes", "last_membership_change", "last_membership_change_unix")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +239,8 @@ class StatusReply(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUFFER_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_MEMBERSHIP_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_MEMBERSHIP_CHANGE_UNIX_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     node_count: int
     generation: int
@@ -233,7 +255,9 @@ class StatusReply(_message.Message):
     draining: bool
     daemon_version: str
     buffer_pool_bytes: int
-    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ...) -> None: ...
+    last_membership_change: str
+    last_membership_change_unix: float
+    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_seconds",)

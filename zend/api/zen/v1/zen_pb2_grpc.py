@@ -54,6 +54,11 @@ class TrainerStub:
                 request_serializer=zen_dot_v1_dot_zen__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=zen_dot_v1_dot_zen__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.Ready = channel.unary_unary(
+                '/zen.v1.Trainer/Ready',
+                request_serializer=zen_dot_v1_dot_zen__pb2.ReadyRequest.SerializeToString,
+                response_deserializer=zen_dot_v1_dot_zen__pb2.ReadyReply.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -85,6 +90,15 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ready(self, request, context):
+        """Blocks until the node's membership is whole (every peer of the current generation
+        connected, no change under way) or the timeout passes. After a step failed with
+        ABORTED, a trainer waits here, then submits the same step again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +121,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=zen_dot_v1_dot_zen__pb2.SubmitRequest.FromString,
                     response_serializer=zen_dot_v1_dot_zen__pb2.SubmitReply.SerializeToString,
+            ),
+            'Ready': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ready,
+                    request_deserializer=zen_dot_v1_dot_zen__pb2.ReadyRequest.FromString,
+                    response_serializer=zen_dot_v1_dot_zen__pb2.ReadyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +236,33 @@ class Trainer:
             '/zen.v1.Trainer/Submit',
             zen_dot_v1_dot_zen__pb2.SubmitRequest.SerializeToString,
             zen_dot_v1_dot_zen__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ready(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zen.v1.Trainer/Ready',
+            zen_dot_v1_dot_zen__pb2.ReadyRequest.SerializeToString,
+            zen_dot_v1_dot_zen__pb2.ReadyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,32 @@
+"""Example (a) survives a daemon restart: node 1's zend is killed (-9) and started again as step 4
+starts; every rank's loop catches zen's abort, waits for the cluster (`Client.wait_ready`) and
+redoes the step from the same state, so the losses are those of a run without the fault."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.client.test_client import ROOT
+
+ARGS = ["--launch", "--nodes", "2", "--trainers", "1", "--backend", "zen", "--steps", "8", "--dim", "16",
+        "--layers", "1", "--heads", "2", "--context", "16", "--batch", "2", "--json"]
+RTOL = 1e-4  # auto may pick another scheme after the restart: the same sums, in another order
+
+
+def losses(extra: list[str]) -> tuple[list[float], str]:
+    run = subprocess.run([sys.executable, str(ROOT / "examples/gpt_sparse.py"), *ARGS, *extra], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return [r["loss"] for r in rows], run.stderr
+
+
+def test_the_training_loop_redoes_the_aborted_step_and_its_losses_match_a_run_without_the_fault() -> None:
+    plain, _ = losses([])
+    faulty, log = losses(["--restart-daemon-at", "4"])
+    assert "redoing the step" in log, log[-3000:]  # the fault really hit a step
+    assert len(plain) == len(faulty) == 8
+    for step, (a, b) in enumerate(zip(faulty, plain, strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: {a} with the restart, {b} without"

@@ -1,0 +1,156 @@
+"""Membership that can change: one generation per round of torch's elastic rendezvous.
+
+The rounds, keep-alive heartbeats, join and leave are torch's (`DynamicRendezvousHandler`, the
+c10d backend over a TCPStore, as torchrun's `--rdzv-backend c10d` uses); this module adds what
+zen needs on top: each round's members publish their data-plane URI, zen rank and settings in
+that round's store, and the round is a new *generation* (a counter in the store, bumped once
+per round). A daemon that restarts calls `join` and lands on the handler's wait list; the
+members see `waiting() > 0`, leave their round and `join` again, and torch starts the next
+round once every member has left or its heartbeats stopped. Links of the old generation are
+refused by the data-plane handshake, which carries the generation.
+
+The store must outlive any one daemon (`zend store`, or torchrun's agent store): a round needs
+it. zen ranks are the daemons' own (`--rank`), not the handler's (it sorts by host and pid,
+which changes on a restart); two daemons claiming one rank in a round are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from zend.daemon.membership import (
+    Membership,
+    MembershipError,
+    RendezvousTimeoutError,
+    check_agreement,
+    check_unique,
+    with_protocol,
+)
+
+POLL_S = 0.02
+KEEP_ALIVE_S = 1  # torch's heartbeat period (whole seconds); a member is dead after max(3, peer_timeout_s) s
+# of silence: torch skips a beat that comes a hair early, so one beat may take two periods
+
+
+class ElasticRendezvous:
+    """This daemon's place in the elastic rendezvous `cluster_id` at the TCPStore `host:port`."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
+                 agreed: dict[str, object], dead_after_s: float, timeout_s: float):
+        from torch.distributed import DistError, TCPStore
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+
+        # torch would start a second TCPStore on rank 0 for the workers' bootstrap: zen has no use for it
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        self.rank, self.world_size, self.my_uri = rank, world_size, my_uri
+        self.cluster_id, self.agreed = cluster_id, with_protocol(agreed)
+        self.where = f"tcpstore://{host}:{port} (elastic)"
+        self.timeout_s = timeout_s
+        self._store: Any = None
+        try:
+            self._store = TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+        except DistError as exc:
+            raise RendezvousTimeoutError(f"rank {rank} could not reach the rendezvous store at {self.where} within "
+                                         f"{timeout_s:g}s (is `zend store` running there?): "
+                                         f"{_first_line(exc)}") from None
+        backend = C10dRendezvousBackend(self._store, f"zen-{cluster_id}")
+        self._handler = DynamicRendezvousHandler.from_backend(
+            f"zen-{cluster_id}", self._store, backend, world_size, world_size, local_addr=_host_of(my_uri),
+            timeout=RendezvousTimeout(join=timedelta(seconds=timeout_s), last_call=timedelta(seconds=1),
+                                      close=timedelta(seconds=10)),
+            keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=max(3, math.ceil(dead_after_s / KEEP_ALIVE_S)))
+        self._lock = threading.Lock()  # the handler is not meant for two threads at once
+
+    def join(self) -> Membership:
+        """Leave the current round (if in one) and join the next; the membership of that round.
+
+        Blocks until `world_size` daemons are in it (a member that died counts until its heartbeats
+        have been silent for dead_after_s); RendezvousTimeoutError after `timeout_s`."""
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
+        with self._lock:
+            try:
+                info = self._handler.next_rendezvous()
+            except RendezvousError as exc:
+                raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.world_size} nodes at "
+                                             f"{self.where} within {self.timeout_s:g}s: {_first_line(exc)}") from None
+            return self._publish(info.store, info.rank)
+
+    def waiting(self) -> int:
+        """Daemons waiting to join (a restarted one): the members should `join` the next round."""
+        with self._lock:
+            try:
+                return int(self._handler.num_nodes_waiting())
+            except Exception as exc:
+                raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
+                                      f"{_first_line(exc)}") from None
+
+    def _publish(self, store: Any, handler_rank: int) -> Membership:
+        """Within one round's store: the generation, then every member's URI and settings by zen rank."""
+        deadline = time.monotonic() + self.timeout_s
+        if handler_rank == 0:  # one member per round bumps the cluster's generation counter
+            generation = int(self._store.add(f"zen/{self.cluster_id}/generation", 1))
+            store.set("zen/generation", str(generation))
+        generation = int(store.get("zen/generation"))
+        if store.add(f"zen/claim/{self.rank}", 1) > 1:
+            raise MembershipError(f"rank {self.rank} is already taken in generation {generation} of cluster "
+                                  f"{self.cluster_id!r} at {self.where}: another daemon claimed it (check --rank)")
+        store.set(f"zen/rank/{self.rank}", json.dumps({"uri": self.my_uri, "agreed": self.agreed}, sort_keys=True))
+        keys = [f"zen/rank/{r}" for r in range(self.world_size)]
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not store.check([f"zen/rank/{r}"])]
+                raise RendezvousTimeoutError(f"generation {generation} at {self.where}: rank(s) "
+                                             f"{', '.join(map(str, missing))} did not publish within "
+                                             f"{self.timeout_s:g}s (two daemons with one --rank?)")
+            time.sleep(POLL_S)
+        uris: dict[int, str] = {}
+        agreed_by_rank: dict[int, dict[str, object]] = {}
+        for rank, raw in enumerate(store.multi_get(keys)):
+            try:
+                entry = json.loads(raw)
+                uris[rank], agreed_by_rank[rank] = str(entry["uri"]), dict(entry["agreed"])
+            except (ValueError, KeyError, TypeError):
+                raise MembershipError(f"rank {rank} published an unreadable entry {raw[:200]!r} at "
+                                      f"{self.where} (a different zend version?)") from None
+        check_unique(uris, "rank {}")
+        check_agreement(agreed_by_rank)
+        return Membership(rank=self.rank, world_size=self.world_size, peers=uris, generation=generation,
+                          cluster_id=self.cluster_id, agreed=agreed_by_rank[0], source=f"elastic {self.where}")
+
+    def close(self) -> None:
+        """Stop heartbeating; our entry expires and the others' next round goes on without us."""
+        with self._lock:
+            self._handler._stop_heartbeats()  # torch has no public "leave" but shutdown, which closes it for all
+            self._store = None
+
+
+def _host_of(uri: str) -> str:
+    from zend.transport import parse_uri
+
+    return parse_uri(uri)[1]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def serve_store(host: str, port: int, stop: threading.Event, ready: Any = None) -> None:
+    """Host the TCPStore an elastic cluster's rounds live in, until `stop` (`zend store`)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    try:
+        if ready is not None:
+            ready()
+        stop.wait()
+    finally:
+        del store
