@@ -105,7 +105,8 @@ class Client:
 
         After zen.StepAborted: call this, then submit the same step again, from the same state, as
         every trainer of the job does. If this node's daemon itself restarted, the session is opened
-        again and every tensor registered again; their step counters are kept."""
+        again and every tensor registered again; their step counters are kept. After a scale-in
+        (--min-nodes) `world_size` is the new, smaller one: rescale the learning rate if it depends on it."""
         deadline = time.monotonic() + timeout_s
         why = "no answer yet"
         while True:
@@ -119,6 +120,7 @@ class Client:
                 reply = self._session.ready(min(left, 10.0))
                 if reply.ready:
                     self.generation = int(reply.generation)
+                    self._session.node_count = int(reply.node_count)  # smaller after a scale-in: world_size
                     return self.generation
                 why = reply.reason
                 continue
@@ -169,6 +171,8 @@ class Client:
         entry.next_step = step + 1
         r = entry.handle.last_reply
         assert r is not None  # allreduce returned: the step's reply is in
+        if r.node_count:  # the generation the step ran in: world_size follows a scale-in
+            self.generation, self._session.node_count = r.generation, r.node_count
         entry.stats = StepStats(step, r.scheme, r.nnz, r.bytes_sent, r.bytes_received, r.dense_bytes, dict(r.phases))
         return self._as_output(out, kind, shape, tensor)
 

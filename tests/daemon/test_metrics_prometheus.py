@@ -40,6 +40,7 @@ KEY_SERIES = [
     "zen_receive_pool_reuse_ratio",
     'zen_node_info{transport="tcp"} == 1',
     "zen_membership_generation",
+    "zen_membership_last_change_timestamp_seconds",
 ]
 
 

@@ -20,6 +20,8 @@ HELP = {
                   "WORLD_SIZE",
     "elastic": "1: membership by torch's elastic rendezvous over a store that outlives the daemons (`zend store`); "
                "a restarted daemon rejoins, every node moves to a new generation",
+    "min_nodes": "with --elastic 1: when a node is lost for --peer-timeout-s, go on as soon as this many nodes "
+                 "are left (a smaller generation; 0: wait for every node)",
     "listen": "this node's data-plane URI (default: its entry in --peers)",
     "transport": "tcp, ucx or auto", "secret_file": "file with the cluster secret (or $ZEN_CLUSTER_SECRET_FILE / "
                                                     "$ZEN_CLUSTER_SECRET; never on the command line)",

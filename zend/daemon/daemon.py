@@ -70,6 +70,7 @@ class Daemon:
                                      "not started")  # start() finds the real one
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
         self.last_change = ("", 0.0)  # (what made the current generation, unix time)
+        self._down_since: dict[int, float] = {}  # member -> when its link went down (scale-in)
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -141,9 +142,10 @@ class Daemon:
         """Admit steps again, run over the current data plane (at start, and after a new generation)."""
         s, m = self.settings, self.membership
         comm = self.transport if self.transport is not None else _Alone()
-        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s))
+        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s, m.generation))
         self.metrics.set_node(s.rank, self.transport_name, self.ucx_transports(), m.source.split(" ")[0],
                               m.generation)
+        self.metrics.membership_changed.set(self.last_change[1])
 
     def _find_membership(self) -> Membership:
         s = self.settings
@@ -156,7 +158,7 @@ class Daemon:
             if s.elastic:
                 self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
                                                  agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
-                                                 timeout_s=s.connect_timeout_s)
+                                                 timeout_s=s.connect_timeout_s, min_nodes=s.min_nodes)
                 self.last_change = ("joined", time.time())
                 return self.elastic.join()
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
@@ -215,8 +217,34 @@ class Daemon:
                     log.warning("membership store unreachable", extra={"event": "membership_store", "error": str(exc)})
                     complained = time.monotonic()
                 continue
-            if waiting and not self._stopped.is_set():
+            if self._stopped.is_set():
+                return
+            if waiting:
                 self._regenerate(f"{waiting} node(s) waiting to join generation {self.membership.generation}")
+                continue
+            lost = self._lost_for_good()
+            if lost:
+                self._regenerate(f"{lost}; going on without it (--min-nodes {self.elastic.min_nodes})")
+
+    def _lost_for_good(self) -> str | None:
+        """(scale-in) A member whose link has been down for as long as the rendezvous takes to declare it
+        dead: the survivors form a smaller generation, if --min-nodes allows."""
+        assert self.elastic is not None
+        transport, now = self.transport, time.monotonic()
+        if transport is None or self.elastic.min_nodes >= self.elastic.world_size:
+            return None
+        down = {p.rank for p in transport.peer_states() if not p.connected}
+        for j in list(self._down_since):
+            if j not in down:
+                del self._down_since[j]
+        for j in down:
+            self._down_since.setdefault(j, now)
+        gone = sorted(j for j, since in self._down_since.items() if now - since >= self.elastic.dead_after_s)
+        if not gone or self.membership.world_size - len(gone) < self.elastic.min_nodes:
+            return None
+        members = self.membership.members or tuple(range(self.membership.world_size))
+        return "node(s) " + ", ".join(f"--rank {members[j]}" for j in gone) + \
+            f" lost for {self.elastic.dead_after_s:g} s"
 
     def _regenerate(self, why: str) -> None:
         """Leave this generation and form the next: steps of this one abort everywhere (their links
@@ -246,6 +274,7 @@ class Daemon:
         if self._stopped.is_set():
             return
         self.last_change = (why, time.time())
+        self._down_since.clear()
         self._open_steps()
         if not self.trainer_steps.draining:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -42,7 +42,7 @@ class ElasticRendezvous:
     """This daemon's place in the elastic rendezvous `cluster_id` at the TCPStore `host:port`."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
-                 agreed: dict[str, object], dead_after_s: float, timeout_s: float):
+                 agreed: dict[str, object], dead_after_s: float, timeout_s: float, min_nodes: int = 0):
         from torch.distributed import DistError, TCPStore
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
@@ -50,6 +50,8 @@ class ElasticRendezvous:
         # torch would start a second TCPStore on rank 0 for the workers' bootstrap: zen has no use for it
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         self.rank, self.world_size, self.my_uri = rank, world_size, my_uri
+        self.min_nodes = min_nodes or world_size  # below world_size: a round may form without lost nodes
+        self.dead_after_s = KEEP_ALIVE_S * max(3, math.ceil(dead_after_s / KEEP_ALIVE_S))
         self.cluster_id, self.agreed = cluster_id, with_protocol(agreed)
         self.where = f"tcpstore://{host}:{port} (elastic)"
         self.timeout_s = timeout_s
@@ -62,17 +64,19 @@ class ElasticRendezvous:
                                          f"{_first_line(exc)}") from None
         backend = C10dRendezvousBackend(self._store, f"zen-{cluster_id}")
         self._handler = DynamicRendezvousHandler.from_backend(
-            f"zen-{cluster_id}", self._store, backend, world_size, world_size, local_addr=_host_of(my_uri),
-            timeout=RendezvousTimeout(join=timedelta(seconds=timeout_s), last_call=timedelta(seconds=1),
+            f"zen-{cluster_id}", self._store, backend, self.min_nodes, world_size, local_addr=_host_of(my_uri),
+            # last call: with --min-nodes, how long a round that could form waits for the rest (a slow start)
+            timeout=RendezvousTimeout(join=timedelta(seconds=timeout_s), last_call=timedelta(seconds=self.dead_after_s),
                                       close=timedelta(seconds=10)),
-            keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=max(3, math.ceil(dead_after_s / KEEP_ALIVE_S)))
+            keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=round(self.dead_after_s / KEEP_ALIVE_S))
         self._lock = threading.Lock()  # the handler is not meant for two threads at once
 
     def join(self) -> Membership:
         """Leave the current round (if in one) and join the next; the membership of that round.
 
-        Blocks until `world_size` daemons are in it (a member that died counts until its heartbeats
-        have been silent for dead_after_s); RendezvousTimeoutError after `timeout_s`."""
+        Blocks until `world_size` daemons are in it, or `min_nodes` and dead_after_s have passed (a member
+        that died counts until its heartbeats have been silent for dead_after_s);
+        RendezvousTimeoutError after `timeout_s`."""
         from torch.distributed.elastic.rendezvous import RendezvousError
 
         with self._lock:
@@ -81,7 +85,7 @@ class ElasticRendezvous:
             except RendezvousError as exc:
                 raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.world_size} nodes at "
                                              f"{self.where} within {self.timeout_s:g}s: {_first_line(exc)}") from None
-            return self._publish(info.store, info.rank)
+            return self._publish(info.store, info.rank, info.world_size)
 
     def waiting(self) -> int:
         """Daemons waiting to join (a restarted one): the members should `join` the next round."""
@@ -92,38 +96,44 @@ class ElasticRendezvous:
                 raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
                                       f"{_first_line(exc)}") from None
 
-    def _publish(self, store: Any, handler_rank: int) -> Membership:
-        """Within one round's store: the generation, then every member's URI and settings by zen rank."""
+    def _publish(self, store: Any, slot: int, members: int) -> Membership:
+        """Within one round's store: the generation, then every member's URI, settings and --rank.
+
+        Members publish under the handler's rank (`slot`, 0..members-1); zen ranks are their
+        --ranks in order, so with every node present each keeps its own, and a smaller generation
+        (--min-nodes) numbers its members 0..members-1 in the same order."""
         deadline = time.monotonic() + self.timeout_s
-        if handler_rank == 0:  # one member per round bumps the cluster's generation counter
+        if slot == 0:  # one member per round bumps the cluster's generation counter
             generation = int(self._store.add(f"zen/{self.cluster_id}/generation", 1))
             store.set("zen/generation", str(generation))
         generation = int(store.get("zen/generation"))
-        if store.add(f"zen/claim/{self.rank}", 1) > 1:
-            raise MembershipError(f"rank {self.rank} is already taken in generation {generation} of cluster "
-                                  f"{self.cluster_id!r} at {self.where}: another daemon claimed it (check --rank)")
-        store.set(f"zen/rank/{self.rank}", json.dumps({"uri": self.my_uri, "agreed": self.agreed}, sort_keys=True))
-        keys = [f"zen/rank/{r}" for r in range(self.world_size)]
+        store.set(f"zen/member/{slot}", json.dumps({"uri": self.my_uri, "agreed": self.agreed, "rank": self.rank},
+                                                   sort_keys=True))
+        keys = [f"zen/member/{i}" for i in range(members)]
         while not store.check(keys):
             if time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if not store.check([f"zen/rank/{r}"])]
-                raise RendezvousTimeoutError(f"generation {generation} at {self.where}: rank(s) "
-                                             f"{', '.join(map(str, missing))} did not publish within "
-                                             f"{self.timeout_s:g}s (two daemons with one --rank?)")
+                raise RendezvousTimeoutError(f"generation {generation} at {self.where}: not every one of {members} "
+                                             f"members published within {self.timeout_s:g}s")
             time.sleep(POLL_S)
-        uris: dict[int, str] = {}
-        agreed_by_rank: dict[int, dict[str, object]] = {}
-        for rank, raw in enumerate(store.multi_get(keys)):
+        by_rank: dict[int, tuple[str, dict[str, object]]] = {}
+        for raw in store.multi_get(keys):
             try:
                 entry = json.loads(raw)
-                uris[rank], agreed_by_rank[rank] = str(entry["uri"]), dict(entry["agreed"])
+                rank, uri, agreed = int(entry["rank"]), str(entry["uri"]), dict(entry["agreed"])
             except (ValueError, KeyError, TypeError):
-                raise MembershipError(f"rank {rank} published an unreadable entry {raw[:200]!r} at "
-                                      f"{self.where} (a different zend version?)") from None
-        check_unique(uris, "rank {}")
-        check_agreement(agreed_by_rank)
-        return Membership(rank=self.rank, world_size=self.world_size, peers=uris, generation=generation,
-                          cluster_id=self.cluster_id, agreed=agreed_by_rank[0], source=f"elastic {self.where}")
+                raise MembershipError(f"a member published an unreadable entry {raw[:200]!r} at {self.where} "
+                                      "(a different zend version?)") from None
+            if rank in by_rank:
+                raise MembershipError(f"--rank {rank} is claimed by two daemons in generation {generation} at "
+                                      f"{self.where}: {by_rank[rank][0]!r} and {uri!r}")
+            by_rank[rank] = (uri, agreed)
+        order = sorted(by_rank)
+        uris = {i: by_rank[r][0] for i, r in enumerate(order)}
+        check_unique(uris, "member {}")
+        check_agreement({i: by_rank[r][1] for i, r in enumerate(order)})
+        return Membership(rank=order.index(self.rank), world_size=members, peers=uris, generation=generation,
+                          cluster_id=self.cluster_id, agreed=by_rank[order[0]][1], source=f"elastic {self.where}",
+                          members=tuple(order))
 
     def close(self) -> None:
         """Stop heartbeating; our entry expires and the others' next round goes on without us."""

@@ -50,7 +50,8 @@ class Membership:
     generation: int
     cluster_id: str
     agreed: dict[str, object]  # the settings every rank agreed on (JSON-able), protocol_version included
-    source: str  # "static" or "rendezvous tcpstore://host:port"
+    source: str  # "static", "rendezvous tcpstore://host:port" or "elastic tcpstore://host:port"
+    members: tuple[int, ...] = ()  # (elastic) the --rank of each member, in rank order; () for all of them
 
 
 def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:

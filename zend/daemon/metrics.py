@@ -115,6 +115,8 @@ class DaemonMetrics:
         self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
                           ["node", "transport", "ucx_transports", "membership"], registry=r)
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
+        self.membership_changed = Gauge("zen_membership_last_change_timestamp_seconds",
+                                        "Unix time this node's current generation formed (--elastic)", registry=r)
         self._levels = _LevelCollector()
         r.register(self._levels)
 

@@ -52,6 +52,8 @@ class StepOutcome:
     push_load_imbalance: float
     pull_imbalance: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds: wait, local_sum, agree, exchange, commit
+    generation: int = 0  # the membership generation the step ran in
+    nodes: int = 1  # and its number of nodes
 
     @property
     def seconds(self) -> float:
@@ -75,9 +77,10 @@ def local_sum(spec: TensorSpec, grads: Sequence[SparseGrad]) -> SparseGrad:
 class NodeSteps:
     """Runs the steps of this node's tensors over the data plane `comm` (one node = one rank)."""
 
-    def __init__(self, comm: Communicator, timeout_s: float):
+    def __init__(self, comm: Communicator, timeout_s: float, generation: int = 0):
         self.comm = comm
         self.timeout_s = timeout_s
+        self.generation = generation
 
     @property
     def world_size(self) -> int:
@@ -180,7 +183,8 @@ class NodeSteps:
             out = out.with_values((out.values.to(torch.float32) / trainers).to(spec.dtype))
         return StepOutcome(out, result.scheme, result.traffic.bytes_sent, result.traffic.bytes_recv,
                            costmodel.dense_ring_bytes(self.world_size, spec.dense_bytes), grad.nnz,
-                           result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases)
+                           result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases,
+                           self.generation, self.world_size)
 
 
 RELAYED_CODES = frozenset({codes.ABORTED, codes.INVALID_ARGUMENT, codes.INTERNAL})  # what a peer's abort may carry

@@ -31,6 +31,7 @@ class Settings:
     peers: tuple[str, ...] = ()          # data-plane URI of every node, in rank order
     rendezvous: str = ""                 # "host:port" of torch's TCPStore; "env" reads MASTER_ADDR/PORT
     elastic: int = 0                     # 1: the rendezvous store outlives the daemons; a restarted one rejoins
+    min_nodes: int = 0                   # (elastic) below world_size: the survivors of a lost node go on (scale-in)
     listen: str = ""                     # own data-plane URI (default: peers[rank])
     transport: str = "auto"              # tcp, ucx or auto (resolved from the peers' URIs)
     cluster_id: str = "zen"
@@ -146,6 +147,10 @@ def validate(s: Settings) -> None:
         raise bad("elastic", "must be 0 or 1")
     if s.elastic and not s.rendezvous:
         raise bad("elastic", "needs rendezvous: HOST:PORT of a store that outlives the daemons (`zend store`)")
+    if s.min_nodes and not 1 <= s.min_nodes <= s.world_size:
+        raise bad("min_nodes", f"must be 0 (no scale-in) or in [1, {s.world_size}] (the world size)")
+    if s.min_nodes and s.min_nodes < s.world_size and not s.elastic:
+        raise bad("min_nodes", "scale-in needs an elastic cluster (--elastic 1)")
     if s.rendezvous and not s.listen:
         raise bad("listen", "rendezvous needs this node's own data-plane URI")
     for uri in [*s.peers, *([s.listen] if s.listen else [])]:

@@ -44,4 +44,5 @@ class SocketSteps:
             log.exception("internal error in a step on the buffer socket")
             return wire.reply_error(f"step: internal error {type(exc).__name__}: {exc}", codes.INTERNAL)
         return wire.reply_ok(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
-                             bytes_received=out.bytes_received, dense_bytes=out.dense_bytes, phases=out.phases)
+                             bytes_received=out.bytes_received, dense_bytes=out.dense_bytes, phases=out.phases,
+                             generation=out.generation, node_count=out.nodes)

@@ -109,7 +109,8 @@ class TrainerService(pb_grpc.TrainerServicer):
                                         (request.result.buffer_id, request.result.offset), wait_s)
         return pb.SubmitReply(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
                               bytes_received=out.bytes_received, dense_bytes=out.dense_bytes,
-                              phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()])
+                              phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()],
+                              generation=out.generation, node_count=out.nodes)
 
     @maps_errors
     def Ready(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -58,6 +58,8 @@ class StepReply:
     bytes_received: int
     dense_bytes: int
     phases: dict[str, float]  # seconds per phase in the daemon
+    generation: int = 0  # the membership generation the step ran in (0 from an older daemon)
+    node_count: int = 0  # its number of nodes
 
 
 @dataclass
@@ -152,14 +154,15 @@ class TrainerSession:
                 raise StepRefused(str(body.get("code", "UNKNOWN")), str(body.get("error", "step refused")))
             return StepReply(int(body["nnz"]), str(body["scheme"]), int(body["bytes_sent"]),
                              int(body["bytes_received"]), int(body["dense_bytes"]),
-                             {str(k): float(v) for k, v in dict(body["phases"]).items()})
+                             {str(k): float(v) for k, v in dict(body["phases"]).items()},
+                             int(body.get("generation", 0)), int(body.get("node_count", 0)))
         r = self.stub.Submit(pb.SubmitRequest(
             session_id=self.session_id, tensor_id=handle.tensor_id, step=step,
             input=pb.BufferRef(buffer_id=input_buffer, offset=0), nnz=nnz,
             result=pb.BufferRef(buffer_id=handle.result.buffer_id, offset=0)),
             timeout=timeout_s, metadata=self.metadata)
         return StepReply(r.nnz, r.scheme, r.bytes_sent, r.bytes_received, r.dense_bytes,
-                         {p.phase: p.seconds for p in r.phases})
+                         {p.phase: p.seconds for p in r.phases}, r.generation, r.node_count)
 
     def _step_link(self) -> BufferClient | None:
         """This thread's step connection (made on first use); None once the daemon refused one."""

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10zen/v1/zen.proto\x12\x06zen.v1\".\n\tBufferRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"_\n\x12OpenSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x18\n\x10local_world_size\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\"\x90\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rbuffer_socket\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x12\n\nnode_count\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x06 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"\x97\x01\n\x15RegisterTensorRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x1c\n\x05\x64type\x18\x04 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x05 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0f\n\x07\x61verage\x18\x06 \x01(\x08\"R\n\x13RegisterTensorReply\x12\x11\n\ttensor_id\x18\x01 \x01(\r\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x03 \x01(\x04\"\x96\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttensor_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.zen.v1.BufferRef\x12\x0b\n\x03nnz\x18\x05 \x01(\x04\x12!\n\x06result\x18\x06 \x01(\x0b\x32\x11.zen.v1.BufferRef\".\n\x0cPhaseSeconds\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x91\x01\n\x0bSubmitReply\x12\x0b\n\x03nnz\x18\x01 \x01(\x04\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65nse_bytes\x18\x05 \x01(\x04\x12$\n\x06phases\x18\x06 \x03(\x0b\x32\x14.zen.v1.PhaseSeconds\";\n\x0cReadyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"S\n\nReadyReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nnode_count\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x0f\n\rStatusRequest\"M\n\nPeerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xd7\x02\n\x0cTensorStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\ttensor_id\x18\x03 \x01(\r\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x06 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0e\n\x06scheme\x18\x07 \x01(\t\x12\x11\n\tlast_step\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x19\n\x11last_sync_seconds\x18\n \x01(\x01\x12\x13\n\x0blast_nnz_in\x18\x0b \x01(\x04\x12\x14\n\x0clast_nnz_out\x18\x0c \x01(\x04\x12\x17\n\x0flast_bytes_sent\x18\r \x01(\x04\x12\x1b\n\x13last_push_imbalance\x18\x0e \x01(\x01\x12\x1b\n\x13last_pull_imbalance\x18\x0f \x01(\x01\"j\n\rSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x14\n\x0c\x62uffer_bytes\x18\x05 \x01(\x04\"\xb1\x03\n\x0bStatusReply\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x12\n\nnode_count\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x12\n\nmembership\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x16\n\x0eucx_transports\x18\x07 \x03(\t\x12!\n\x05peers\x18\x08 \x03(\x0b\x32\x12.zen.v1.PeerStatus\x12\'\n\x08sessions\x18\t \x03(\x0b\x32\x15.zen.v1.SessionStatus\x12%\n\x07tensors\x18\n \x03(\x0b\x32\x14.zen.v1.TensorStatus\x12\x17\n\x0fsteps_in_flight\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x16\n\x0e\x64\x61\x65mon_version\x18\r \x01(\t\x12\x19\n\x11\x62uffer_pool_bytes\x18\x0e \x01(\x04\x12\x1e\n\x16last_membership_change\x18\x0f \x01(\t\x12#\n\x1blast_membership_change_unix\x18\x10 \x01(\x01\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"2\n\nDrainReply\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x11\n\tabandoned\x18\x02 \x01(\r*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*<\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSPARSE_ROWS\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x32\xcd\x02\n\x07Trainer\x12\x43\n\x0bOpenSession\x12\x1a.zen.v1.OpenSessionRequest\x1a\x18.zen.v1.OpenSessionReply\x12\x46\n\x0c\x43loseSession\x12\x1b.zen.v1.CloseSessionRequest\x1a\x19.zen.v1.CloseSessionReply\x12L\n\x0eRegisterTensor\x12\x1d.zen.v1.RegisterTensorRequest\x1a\x1b.zen.v1.RegisterTensorReply\x12\x34\n\x06Submit\x12\x15.zen.v1.SubmitRequest\x1a\x13.zen.v1.SubmitReply\x12\x31\n\x05Ready\x12\x14.zen.v1.ReadyRequest\x1a\x12.zen.v1.ReadyReply2s\n\x08Operator\x12\x34\n\x06Status\x12\x15.zen.v1.StatusRequest\x1a\x13.zen.v1.StatusReply\x12\x31\n\x05\x44rain\x12\x14.zen.v1.DrainRequest\x1a\x12.zen.v1.DrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10zen/v1/zen.proto\x12\x06zen.v1\".\n\tBufferRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"_\n\x12OpenSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x18\n\x10local_world_size\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\"\x90\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rbuffer_socket\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x12\n\nnode_count\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x06 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"\x97\x01\n\x15RegisterTensorRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x1c\n\x05\x64type\x18\x04 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x05 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0f\n\x07\x61verage\x18\x06 \x01(\x08\"R\n\x13RegisterTensorReply\x12\x11\n\ttensor_id\x18\x01 \x01(\r\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x03 \x01(\x04\"\x96\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttensor_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.zen.v1.BufferRef\x12\x0b\n\x03nnz\x18\x05 \x01(\x04\x12!\n\x06result\x18\x06 \x01(\x0b\x32\x11.zen.v1.BufferRef\".\n\x0cPhaseSeconds\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\xb9\x01\n\x0bSubmitReply\x12\x0b\n\x03nnz\x18\x01 \x01(\x04\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65nse_bytes\x18\x05 \x01(\x04\x12$\n\x06phases\x18\x06 \x03(\x0b\x32\x14.zen.v1.PhaseSeconds\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12\x12\n\nnode_count\x18\x08 \x01(\r\";\n\x0cReadyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"S\n\nReadyReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nnode_count\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x0f\n\rStatusRequest\"M\n\nPeerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xd7\x02\n\x0cTensorStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\ttensor_id\x18\x03 \x01(\r\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x06 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0e\n\x06scheme\x18\x07 \x01(\t\x12\x11\n\tlast_step\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x19\n\x11last_sync_seconds\x18\n \x01(\x01\x12\x13\n\x0blast_nnz_in\x18\x0b \x01(\x04\x12\x14\n\x0clast_nnz_out\x18\x0c \x01(\x04\x12\x17\n\x0flast_bytes_sent\x18\r \x01(\x04\x12\x1b\n\x13last_push_imbalance\x18\x0e \x01(\x01\x12\x1b\n\x13last_pull_imbalance\x18\x0f \x01(\x01\"j\n\rSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x14\n\x0c\x62uffer_bytes\x18\x05 \x01(\x04\"\xb1\x03\n\x0bStatusReply\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x12\n\nnode_count\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x12\n\nmembership\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x16\n\x0eucx_transports\x18\x07 \x03(\t\x12!\n\x05peers\x18\x08 \x03(\x0b\x32\x12.zen.v1.PeerStatus\x12\'\n\x08sessions\x18\t \x03(\x0b\x32\x15.zen.v1.SessionStatus\x12%\n\x07tensors\x18\n \x03(\x0b\x32\x14.zen.v1.TensorStatus\x12\x17\n\x0fsteps_in_flight\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x16\n\x0e\x64\x61\x65mon_version\x18\r \x01(\t\x12\x19\n\x11\x62uffer_pool_bytes\x18\x0e \x01(\x04\x12\x1e\n\x16last_membership_change\x18\x0f \x01(\t\x12#\n\x1blast_membership_change_unix\x18\x10 \x01(\x01\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"2\n\nDrainReply\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x11\n\tabandoned\x18\x02 \x01(\r*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*<\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSPARSE_ROWS\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x32\xcd\x02\n\x07Trainer\x12\x43\n\x0bOpenSession\x12\x1a.zen.v1.OpenSessionRequest\x1a\x18.zen.v1.OpenSessionReply\x12\x46\n\x0c\x43loseSession\x12\x1b.zen.v1.CloseSessionRequest\x1a\x19.zen.v1.CloseSessionReply\x12L\n\x0eRegisterTensor\x12\x1d.zen.v1.RegisterTensorRequest\x1a\x1b.zen.v1.RegisterTensorReply\x12\x34\n\x06Submit\x12\x15.zen.v1.SubmitRequest\x1a\x13.zen.v1.SubmitReply\x12\x31\n\x05Ready\x12\x14.zen.v1.ReadyRequest\x1a\x12.zen.v1.ReadyReply2s\n\x08Operator\x12\x34\n\x06Status\x12\x15.zen.v1.StatusRequest\x1a\x13.zen.v1.StatusReply\x12\x31\n\x05\x44rain\x12\x14.zen.v1.DrainRequest\x1a\x12.zen.v1.DrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zen.v1.zen_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2196
-  _globals['_DTYPE']._serialized_end=2266
-  _globals['_LAYOUT']._serialized_start=2268
-  _globals['_LAYOUT']._serialized_end=2328
+  _globals['_DTYPE']._serialized_start=2236
+  _globals['_DTYPE']._serialized_end=2306
+  _globals['_LAYOUT']._serialized_start=2308
+  _globals['_LAYOUT']._serialized_end=2368
   _globals['_BUFFERREF']._serialized_start=28
   _globals['_BUFFERREF']._serialized_end=74
   _globals['_OPENSESSIONREQUEST']._serialized_start=76
@@ -54,27 +54,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PHASESECONDS']._serialized_start=775
   _globals['_PHASESECONDS']._serialized_end=821
   _globals['_SUBMITREPLY']._serialized_start=824
-  _globals['_SUBMITREPLY']._serialized_end=969
-  _globals['_READYREQUEST']._serialized_start=971
-  _globals['_READYREQUEST']._serialized_end=1030
-  _globals['_READYREPLY']._serialized_start=1032
-  _globals['_READYREPLY']._serialized_end=1115
-  _globals['_STATUSREQUEST']._serialized_start=1117
-  _globals['_STATUSREQUEST']._serialized_end=1132
-  _globals['_PEERSTATUS']._serialized_start=1134
-  _globals['_PEERSTATUS']._serialized_end=1211
-  _globals['_TENSORSTATUS']._serialized_start=1214
-  _globals['_TENSORSTATUS']._serialized_end=1557
-  _globals['_SESSIONSTATUS']._serialized_start=1559
-  _globals['_SESSIONSTATUS']._serialized_end=1665
-  _globals['_STATUSREPLY']._serialized_start=1668
-  _globals['_STATUSREPLY']._serialized_end=2101
-  _globals['_DRAINREQUEST']._serialized_start=2103
-  _globals['_DRAINREQUEST']._serialized_end=2142
-  _globals['_DRAINREPLY']._serialized_start=2144
-  _globals['_DRAINREPLY']._serialized_end=2194
-  _globals['_TRAINER']._serialized_start=2331
-  _globals['_TRAINER']._serialized_end=2664
-  _globals['_OPERATOR']._serialized_start=2666
-  _globals['_OPERATOR']._serialized_end=2781
+  _globals['_SUBMITREPLY']._serialized_end=1009
+  _globals['_READYREQUEST']._serialized_start=1011
+  _globals['_READYREQUEST']._serialized_end=1070
+  _globals['_READYREPLY']._serialized_start=1072
+  _globals['_READYREPLY']._serialized_end=1155
+  _globals['_STATUSREQUEST']._serialized_start=1157
+  _globals['_STATUSREQUEST']._serialized_end=1172
+  _globals['_PEERSTATUS']._serialized_start=1174
+  _globals['_PEERSTATUS']._serialized_end=1251
+  _globals['_TENSORSTATUS']._serialized_start=1254
+  _globals['_TENSORSTATUS']._serialized_end=1597
+  _globals['_SESSIONSTATUS']._serialized_start=1599
+  _globals['_SESSIONSTATUS']._serialized_end=1705
+  _globals['_STATUSREPLY']._serialized_start=1708
+  _globals['_STATUSREPLY']._serialized_end=2141
+  _globals['_DRAINREQUEST']._serialized_start=2143
+  _globals['_DRAINREQUEST']._serialized_end=2182
+  _globals['_DRAINREPLY']._serialized_start=2184
+  _globals['_DRAINREPLY']._serialized_end=2234
+  _globals['_TRAINER']._serialized_start=2371
+  _globals['_TRAINER']._serialized_end=2704
+  _globals['_OPERATOR']._serialized_start=2706
+  _globals['_OPERATOR']._serialized_end=2821
 # @@protoc_insertion_point(module_scope)

@@ -124,20 +124,24 @@ class PhaseSeconds(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("nnz", "scheme", "bytes_sent", "bytes_received", "dense_bytes", "phases")
+    __slots__ = ("nnz", "scheme", "bytes_sent", "bytes_received", "dense_bytes", "phases", "generation", "node_count")
     NNZ_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     nnz: int
     scheme: str
     bytes_sent: int
     bytes_received: int
     dense_bytes: int
     phases: _containers.RepeatedCompositeFieldContainer[PhaseSeconds]
-    def __init__(self, nnz: _Optional[int] = ..., scheme: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ...) -> None: ...
+    generation: int
+    node_count: int
+    def __init__(self, nnz: _Optional[int] = ..., scheme: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
     __slots__ = ("session_id", "timeout_seconds")
