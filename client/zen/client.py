@@ -123,11 +123,13 @@ class Client:
                     self._session.node_count = int(reply.node_count)  # smaller after a scale-in: world_size
                     return self.generation
                 why = reply.reason
-                continue
             except grpc.RpcError as exc:
                 code, why = exc.code(), f"{exc.code().name}: {exc.details()}"
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise from_rpc_error(exc, self.address) from None
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    raise DaemonUnavailable(f"zend at {self.address} is too old to say when it is ready: {why}") \
+                        from None
                 # our session is unknown (the daemon restarted) or its daemon is gone: a new session
                 if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
                     self._session.close()
@@ -135,19 +137,29 @@ class Client:
                 if isinstance(exc, NotAuthorized):
                     raise
                 why = str(exc)
+            except OSError as exc:  # the new session's buffers (socket, memfd)
+                why = f"{type(exc).__name__}: {exc}"
             time.sleep(0.2)
 
     def _reopen(self, timeout_s: float) -> None:
-        """A new session with a restarted daemon, every tensor registered again under its name."""
-        self._session = self._open_session(timeout_s)
-        for name, entry in self._tensors.items():
-            spec = entry.handle.spec
-            try:
-                entry.handle = self._session.register(name, spec.shape, dtypes.BY_NAME[spec.dtype_name].torch,
-                                                      dense=spec.layout == "dense", average=spec.average,
-                                                      device=entry.handle.device)
-            except grpc.RpcError as exc:
+        """A new session with a restarted daemon, every tensor registered again under its name; all
+        or nothing (a half-registered session is closed, so that the next try starts again)."""
+        session = self._open_session(timeout_s)
+        handles: dict[str, TensorHandle] = {}
+        try:
+            for name, entry in self._tensors.items():
+                spec = entry.handle.spec
+                handles[name] = session.register(name, spec.shape, dtypes.BY_NAME[spec.dtype_name].torch,
+                                                 dense=spec.layout == "dense", average=spec.average,
+                                                 device=entry.handle.device)
+        except BaseException as exc:
+            session.close()
+            if isinstance(exc, grpc.RpcError):
                 raise from_rpc_error(exc, self.address) from None
+            raise
+        self._session = session
+        for name, handle in handles.items():
+            self._tensors[name].handle = handle
 
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, tensor: torch.Tensor | Indexed, *, name: str, average: bool = False,

@@ -4,7 +4,10 @@ redoes the step from the same state, so the losses are those of a run without th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -16,11 +19,22 @@ RTOL = 1e-4  # auto may pick another scheme after the restart: the same sums, in
 
 
 def losses(extra: list[str]) -> tuple[list[float], str]:
-    run = subprocess.run([sys.executable, str(ROOT / "examples/gpt_sparse.py"), *ARGS, *extra], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return [r["loss"] for r in rows], run.stderr
+    launcher = subprocess.Popen([sys.executable, str(ROOT / "examples/gpt_sparse.py"), *ARGS, *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        out, err = launcher.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # SIGINT first: the launcher stops its daemons, store and ranks
+        launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+        raise
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [r["loss"] for r in rows], err
 
 
 def test_the_training_loop_redoes_the_aborted_step_and_its_losses_match_a_run_without_the_fault() -> None:

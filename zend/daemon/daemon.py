@@ -211,7 +211,7 @@ class Daemon:
         complained = 0.0
         while not self._stopped.wait(0.5):
             try:
-                waiting = self.elastic.waiting()
+                waiting, dropped = self.elastic.waiting(), self.elastic.dropped()
             except MembershipError as exc:  # the store is gone: keep serving this generation, say so
                 if time.monotonic() - complained > 30:
                     log.warning("membership store unreachable", extra={"event": "membership_store", "error": str(exc)})
@@ -221,6 +221,10 @@ class Daemon:
                 return
             if waiting:
                 self._regenerate(f"{waiting} node(s) waiting to join generation {self.membership.generation}")
+                continue
+            if dropped:  # we stood still (SIGSTOP) long enough for the rendezvous to drop us: join again
+                self._regenerate(f"this node was dropped from generation {self.membership.generation} "
+                                 "(no heartbeat within the rendezvous' limit)")
                 continue
             lost = self._lost_for_good()
             if lost:
@@ -264,14 +268,20 @@ class Daemon:
         while not self._stopped.is_set():
             try:
                 self.membership = self.elastic.join()
+                if self._stopped.is_set():
+                    return
                 self._start_data_plane()
                 break
-            except (MembershipError, OSError, TimeoutError) as exc:  # no complete round yet: keep trying
+            except Exception as exc:  # no complete round yet, a member lost while connecting: try again
                 log.warning("membership not formed, retrying", extra={"event": "membership_retry", "error": str(exc)})
-                if self.transport is not None:
-                    self.transport.close()
-                    self.transport = None
-        if self._stopped.is_set():
+                transport, self.transport = self.transport, None
+                if transport is not None:
+                    transport.close()
+                self._stopped.wait(1.0)  # a retry that fails at once must not spin
+        if self._stopped.is_set():  # stop() came while joining: it could not close what came after it
+            transport, self.transport = self.transport, None
+            if transport is not None:
+                transport.close()
             return
         self.last_change = (why, time.time())
         self._down_since.clear()

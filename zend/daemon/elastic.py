@@ -82,10 +82,14 @@ class ElasticRendezvous:
         with self._lock:
             try:
                 info = self._handler.next_rendezvous()
+                return self._publish(info.store, info.rank, info.world_size)
             except RendezvousError as exc:
-                raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.world_size} nodes at "
-                                             f"{self.where} within {self.timeout_s:g}s: {_first_line(exc)}") from None
-            return self._publish(info.store, info.rank, info.world_size)
+                raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.min_nodes}-"
+                                             f"{self.world_size} nodes at {self.where} within {self.timeout_s:g}s: "
+                                             f"{_first_line(exc)}") from None
+            except RuntimeError as exc:  # torch's store errors (DistStoreError, DistNetworkError)
+                raise MembershipError(f"rank {self.rank}: the rendezvous store at {self.where} failed: "
+                                      f"{_first_line(exc)}") from None
 
     def waiting(self) -> int:
         """Daemons waiting to join (a restarted one): the members should `join` the next round."""
@@ -95,6 +99,16 @@ class ElasticRendezvous:
             except Exception as exc:
                 raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
                                       f"{_first_line(exc)}") from None
+
+    def dropped(self) -> bool:
+        """Whether the rendezvous dropped this node from its round (it stood still past the keep-alive
+        limit: SIGSTOP, swap), so that its heartbeats stopped for good: it must join again. Reads
+        torch's handler state (private; torch is pinned), as synced by the last `waiting`."""
+        with self._lock:
+            handler: Any = self._handler
+            state = handler._state_holder.state
+            return bool(state.complete and handler._this_node not in state.participants
+                        and handler._this_node not in state.wait_list)
 
     def _publish(self, store: Any, slot: int, members: int) -> Membership:
         """Within one round's store: the generation, then every member's URI, settings and --rank.
@@ -136,10 +150,9 @@ class ElasticRendezvous:
                           members=tuple(order))
 
     def close(self) -> None:
-        """Stop heartbeating; our entry expires and the others' next round goes on without us."""
-        with self._lock:
-            self._handler._stop_heartbeats()  # torch has no public "leave" but shutdown, which closes it for all
-            self._store = None
+        """Stop heartbeating; our entry expires and the others' next round goes on without us. Not under
+        the lock: a `join` in progress may hold it for its whole timeout (the daemon is stopping)."""
+        self._handler._stop_heartbeats()  # torch has no public "leave" but shutdown, which closes it for all
 
 
 def _host_of(uri: str) -> str:

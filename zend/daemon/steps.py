@@ -32,6 +32,7 @@ class Step:
     key: StepKey
     expected: int
     attempt: int = 0  # how many times this step failed before (on every node alike)
+    generation: int = 0  # the table's generation when it opened: a later one ignores its outcome
     opened_at: float = field(default_factory=time.monotonic)
     parts: dict[int, Any] = field(default_factory=dict)  # local rank -> that trainer's gradient
     sessions: dict[int, str] = field(default_factory=dict)  # local rank -> session id
@@ -52,6 +53,7 @@ class StepTable:
         self._open: dict[StepKey, Step] = {}
         self._last: dict[tuple[str, int], Step] = {}  # (job, tensor) -> last step that succeeded
         self._attempts: dict[StepKey, int] = {}  # failed attempts of steps not yet succeeded
+        self.generation = 0  # bumped by new_generation: steps of an older one leave no trace
 
     def join(self, key: StepKey, local_rank: int, session: str, part: Any, expected: int) -> tuple[Step, bool]:
         """File a trainer's part; returns the step and whether this call completed it (start it now)."""
@@ -69,7 +71,7 @@ class StepTable:
                         raise StepError(FAILED_PRECONDITION,
                                         f"step {key.step} of tensor {key.tensor_id} arrived after step "
                                         f"{other.key.step} opened; steps of a tensor must come in order")
-                step = self._open[key] = Step(key, expected, self._attempts.get(key, 0))
+                step = self._open[key] = Step(key, expected, self._attempts.get(key, 0), self.generation)
             if step.expected != expected:
                 raise StepError(FAILED_PRECONDITION, f"local world size {expected} differs from {step.expected} "
                                                      f"given by the other trainers of step {key.step}")
@@ -86,16 +88,23 @@ class StepTable:
         with self._lock:
             step.result, step.error = result, error
             step.parts = {}  # drop the views into trainers' buffers
-            self._open.pop(step.key, None)
-            if error is None:
-                self._last[(step.key.job, step.key.tensor_id)] = step
-                done = step.key
-                for key in [k for k in self._attempts
-                            if (k.job, k.tensor_id) == (done.job, done.tensor_id) and k.step <= done.step]:
-                    del self._attempts[key]
-            else:  # submitting it again is a new attempt
-                self._attempts[step.key] = step.attempt + 1
+            if self._open.get(step.key) is step:
+                del self._open[step.key]
+            if step.generation == self.generation:  # one that outlived its generation leaves nothing
+                self._remember(step, error)
             step.done.set()
+
+    def _remember(self, step: Step, error: StepError | None) -> None:
+        """(under _lock) A success is kept for repeats and ends the tensor's attempt counts; a failure
+        makes the next submission of the step a new attempt."""
+        if error is None:
+            self._last[(step.key.job, step.key.tensor_id)] = step
+            done = step.key
+            for key in [k for k in self._attempts
+                        if (k.job, k.tensor_id) == (done.job, done.tensor_id) and k.step <= done.step]:
+                del self._attempts[key]
+        else:
+            self._attempts[step.key] = step.attempt + 1
 
     def abandon(self, job: str | None, error_for: Any) -> list[Step]:
         """A job's trainer is gone (job None: the node's membership changes): fail that job's steps that
@@ -119,8 +128,10 @@ class StepTable:
         """A new membership generation starts every tensor afresh: no kept results (a node that joined
         has none, and a step redone after the change runs again on every node), attempts from 0."""
         with self._lock:
+            self.generation += 1
             self._last.clear()
             self._attempts.clear()
+            self._open.clear()  # steps still running (past the wait) finish on their own, out of the table
 
     def in_flight(self) -> int:
         with self._lock:

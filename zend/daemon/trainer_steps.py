@@ -236,7 +236,7 @@ class TrainerSteps:
         log.warning("step aborted", extra={"event": "step_aborted", "job": step.key.job, "step": step.key.step,
                                            "code": err.code, "error": err.message})
         node = self._node
-        if node is not None:
+        if node is not None and step.generation == self.table.generation:  # never into a newer generation
             node.abort(step.key, step.attempt, err)
 
     def session_closed(self, session: Session) -> None:

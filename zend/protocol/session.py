@@ -89,9 +89,13 @@ class TrainerSession:
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.TrainerStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
-        reply = self.stub.OpenSession(pb.OpenSessionRequest(job_id=job, local_rank=local_rank,
-                                                            local_world_size=local_world_size, pid=os.getpid()),
-                                      timeout=timeout_s, metadata=self.metadata, wait_for_ready=True)
+        try:
+            reply = self.stub.OpenSession(pb.OpenSessionRequest(job_id=job, local_rank=local_rank,
+                                                                local_world_size=local_world_size, pid=os.getpid()),
+                                          timeout=timeout_s, metadata=self.metadata, wait_for_ready=True)
+        except BaseException:
+            self.channel.close()  # a client retrying (wait_ready) must not pile up channels
+            raise
         self.session_id = reply.session_id
         self.node_rank, self.node_count, self.generation = reply.node_rank, reply.node_count, reply.generation
         self.buffer_socket = reply.buffer_socket
