@@ -12,7 +12,8 @@ one after the other, each after a few good steps:
 - daemon restart: kill -9 of the last node's daemon, started again at once with the same rank
   (the cluster is elastic: `--elastic 1`, a `zend store`). detect: from the kill to the last
   survivor's abort. recover: from the kill to every trainer's next good step (the members form
-  a new generation; the restarted node's trainers open new sessions at the step the job is at).
+  a new generation; the restarted node's trainers open new sessions at the step the job is at,
+  which the daemon tells them: `job_step`).
 
     python benchmarks/fault_recovery.py --nodes 3,8 --rate-mbit 1000 [--peer-timeout-s 5] [--json]
 """
@@ -65,10 +66,11 @@ while True:
 class Trainer:
     """A trainer thread: steps in a loop, the same step again after an abort; keeps what happened when."""
 
-    def __init__(self, cluster: LocalCluster, node: int, local_rank: int, step: int = 0):
+    def __init__(self, cluster: LocalCluster, node: int, local_rank: int, step: int | None = 0):
         self.link = TrainerSession(cluster.socket_dir(node), "j", cluster.token("j"), local_rank, 2, timeout_s=120)
         self.handle = self.link.register("emb", (ROWS, DIM))
-        self.step, self.events, self.stop = step, [], False
+        # step None: where the daemon says the job is (a trainer that joins a running job)
+        self.step, self.events, self.stop = self.link.job_step if step is None else step, [], False
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
@@ -154,9 +156,8 @@ def _faults(c: LocalCluster, n: int) -> dict[str, float | None]:
                 del trainers[(node, r)]
         c.start_node(n - 1)
         c.wait_ready(n - 1, 120)
-        at = min(t.step for t in others)
         for r in range(2):
-            trainers[(n - 1, r)] = fresh = Trainer(c, n - 1, r, step=at)
+            trainers[(n - 1, r)] = fresh = Trainer(c, n - 1, r, step=None)
             fresh.thread.start()
         everyone = list(trainers.values())
         wait_for(lambda: all(t.first("ok", t3) for t in everyone), 120, "a good step after the daemon restart")

@@ -79,6 +79,7 @@ class Client:
         self._token = token
         self._session = self._open_session(min(timeout_s, 30.0))
         self.generation = self._session.generation
+        self.job_step = self._session.job_step  # where the job is (a trainer restarted mid-job resumes there)
         self._tensors: dict[str, _Tensor] = {}
         self._topk: dict[float, TopKCompressor] = {}
         self._lock = threading.Lock()
@@ -119,7 +120,7 @@ class Client:
                     self._reopen(min(left, 5.0))
                 reply = self._session.ready(min(left, 10.0))
                 if reply.ready:
-                    self.generation = int(reply.generation)
+                    self.generation, self.job_step = int(reply.generation), int(reply.job_step)
                     self._session.node_count = int(reply.node_count)  # smaller after a scale-in: world_size
                     return self.generation
                 why = reply.reason

@@ -37,7 +37,7 @@ def test_a_daemon_killed_and_restarted_rejoins_and_the_job_goes_on_with_correct_
     def trainer(node: int) -> dict:  # type: ignore[type-arg]
         zc = zen.Client(c.socket_dir(node), job="j", token=c.token("j"), local_rank=0, local_world_size=1,
                         timeout_s=60)
-        first_generation, sums, faults, good_after_kill = zc.generation, {}, [], None
+        first_generation, sums, faults, good_after_kill, resumed = zc.generation, {}, [], None, []
         try:
             step = 0
             while step < STEPS:
@@ -51,13 +51,14 @@ def test_a_daemon_killed_and_restarted_rejoins_and_the_job_goes_on_with_correct_
                     faults.append((step, type(exc).__name__, str(exc)))
                     assert len(faults) <= 4, faults  # a retry that fails for good
                     zc.wait_ready(90)
+                    resumed.append(zc.job_step)  # where the daemon says the job is
                     continue  # the same step again, from the same state
                 sums[step] = out.to_dense()
                 if step == KILL_AT:
                     good_after_kill = time.monotonic()
                 step += 1
             return {"sums": sums, "faults": faults, "generations": (first_generation, zc.generation),
-                    "good_after_kill": good_after_kill}
+                    "good_after_kill": good_after_kill, "resumed": resumed}
         finally:
             zc.close()
 
@@ -82,6 +83,7 @@ def test_a_daemon_killed_and_restarted_rejoins_and_the_job_goes_on_with_correct_
         first, last = r["generations"]
         assert last > first, f"node {node}: generation {first} -> {last}"
         assert r["faults"] and all(f[0] == KILL_AT for f in r["faults"]), r["faults"]
+        assert r["resumed"][-1] == KILL_AT, f"node {node}: told the job is at {r['resumed']}, not {KILL_AT}"
     statuses = [node_status(c, n) for n in range(3)]
     assert len({s.generation for s in statuses}) == 1, [s.generation for s in statuses]
     for node in (0, 2):  # the survivors formed a new generation because node 1 came back

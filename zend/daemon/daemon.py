@@ -71,6 +71,7 @@ class Daemon:
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
         self.last_change = ("", 0.0)  # (what made the current generation, unix time)
         self._down_since: dict[int, float] = {}  # member -> when its link went down (scale-in)
+        self.job_steps: dict[str, int] = {}  # job -> its step when this generation formed (--elastic)
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -100,7 +101,8 @@ class Daemon:
     def _services(self) -> tuple[TrainerService, OperatorService]:
         s, count_error = self.settings, self.metrics.count_error
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
-                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.wait_whole)
+                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.wait_whole,
+                                 lambda job: self.job_steps.get(job, 0))
         operator = OperatorService(self.status, self.drain, s.drain_timeout_s, count_error)
         return trainer, operator
 
@@ -160,7 +162,9 @@ class Daemon:
                                                  agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
                                                  timeout_s=s.connect_timeout_s, min_nodes=s.min_nodes)
                 self.last_change = ("joined", time.time())
-                return self.elastic.join()
+                m = self.elastic.join()
+                self.job_steps.update(m.job_steps)  # a restarted node learns where its jobs are
+                return m
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
                               timeout_s=s.connect_timeout_s)
         if not s.peers:  # one node: no data plane
@@ -264,10 +268,11 @@ class Daemon:
         if transport is not None:
             transport.close()  # steps in flight fail now (ABORTED) instead of waiting on a dead peer
         self.trainer_steps.suspend(self.trainer_steps.changing, s.step_timeout_s)
+        self.job_steps.update(self.registry.job_steps())  # what this node knew, for a node that knows nothing
         self.registry.new_generation(self.new_scheme)
         while not self._stopped.is_set():
             try:
-                self.membership = self.elastic.join()
+                self.membership = self.elastic.join(self.job_steps)
                 if self._stopped.is_set():
                     return
                 self._start_data_plane()
@@ -284,6 +289,7 @@ class Daemon:
                 transport.close()
             return
         self.last_change = (why, time.time())
+        self.job_steps.update(self.membership.job_steps)
         self._down_since.clear()
         self._open_steps()
         if not self.trainer_steps.draining:

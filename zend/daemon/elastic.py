@@ -71,7 +71,7 @@ class ElasticRendezvous:
             keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=round(self.dead_after_s / KEEP_ALIVE_S))
         self._lock = threading.Lock()  # the handler is not meant for two threads at once
 
-    def join(self) -> Membership:
+    def join(self, job_steps: dict[str, int] | None = None) -> Membership:
         """Leave the current round (if in one) and join the next; the membership of that round.
 
         Blocks until `world_size` daemons are in it, or `min_nodes` and dead_after_s have passed (a member
@@ -82,7 +82,7 @@ class ElasticRendezvous:
         with self._lock:
             try:
                 info = self._handler.next_rendezvous()
-                return self._publish(info.store, info.rank, info.world_size)
+                return self._publish(info.store, info.rank, info.world_size, job_steps or {})
             except RendezvousError as exc:
                 raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.min_nodes}-"
                                              f"{self.world_size} nodes at {self.where} within {self.timeout_s:g}s: "
@@ -110,7 +110,7 @@ class ElasticRendezvous:
             return bool(state.complete and handler._this_node not in state.participants
                         and handler._this_node not in state.wait_list)
 
-    def _publish(self, store: Any, slot: int, members: int) -> Membership:
+    def _publish(self, store: Any, slot: int, members: int, job_steps: dict[str, int]) -> Membership:
         """Within one round's store: the generation, then every member's URI, settings and --rank.
 
         Members publish under the handler's rank (`slot`, 0..members-1); zen ranks are their
@@ -121,8 +121,8 @@ class ElasticRendezvous:
             generation = int(self._store.add(f"zen/{self.cluster_id}/generation", 1))
             store.set("zen/generation", str(generation))
         generation = int(store.get("zen/generation"))
-        store.set(f"zen/member/{slot}", json.dumps({"uri": self.my_uri, "agreed": self.agreed, "rank": self.rank},
-                                                   sort_keys=True))
+        store.set(f"zen/member/{slot}", json.dumps({"uri": self.my_uri, "agreed": self.agreed, "rank": self.rank,
+                                                    "job_steps": job_steps}, sort_keys=True))
         keys = [f"zen/member/{i}" for i in range(members)]
         while not store.check(keys):
             if time.monotonic() > deadline:
@@ -130,10 +130,13 @@ class ElasticRendezvous:
                                              f"members published within {self.timeout_s:g}s")
             time.sleep(POLL_S)
         by_rank: dict[int, tuple[str, dict[str, object]]] = {}
+        steps: dict[str, int] = {}
         for raw in store.multi_get(keys):
             try:
                 entry = json.loads(raw)
                 rank, uri, agreed = int(entry["rank"]), str(entry["uri"]), dict(entry["agreed"])
+                for job, step in dict(entry.get("job_steps", {})).items():  # a restarted member knows none
+                    steps[str(job)] = max(steps.get(str(job), 0), int(step))
             except (ValueError, KeyError, TypeError):
                 raise MembershipError(f"a member published an unreadable entry {raw[:200]!r} at {self.where} "
                                       "(a different zend version?)") from None
@@ -147,7 +150,7 @@ class ElasticRendezvous:
         check_agreement({i: by_rank[r][1] for i, r in enumerate(order)})
         return Membership(rank=order.index(self.rank), world_size=members, peers=uris, generation=generation,
                           cluster_id=self.cluster_id, agreed=by_rank[order[0]][1], source=f"elastic {self.where}",
-                          members=tuple(order))
+                          members=tuple(order), job_steps=steps)
 
     def close(self) -> None:
         """Stop heartbeating; our entry expires and the others' next round goes on without us. Not under

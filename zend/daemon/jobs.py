@@ -132,6 +132,16 @@ class JobRegistry:
         with self._lock:
             return list(self.tensors.values())
 
+    def job_steps(self) -> dict[str, int]:
+        """job -> the step it is at here: the lowest next step over its tensors that ran (a job whose
+        step was aborted half-way is at that step: every trainer redoes all of it)."""
+        steps: dict[str, int] = {}
+        for state in self.tensor_list():
+            if state.stats.steps:
+                job, next_step = state.spec.job, state.stats.last_step + 1
+                steps[job] = min(steps.get(job, next_step), next_step)
+        return steps
+
     def new_generation(self, new_scheme: Callable[[], Any]) -> None:
         """Every tensor as if first registered: the nodes of a new generation agree on it again, and a
         fresh scheme (auto's plan) on every node, since a node that joined has nothing else."""

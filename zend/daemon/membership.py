@@ -19,7 +19,7 @@ import json
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -52,6 +52,7 @@ class Membership:
     agreed: dict[str, object]  # the settings every rank agreed on (JSON-able), protocol_version included
     source: str  # "static", "rendezvous tcpstore://host:port" or "elastic tcpstore://host:port"
     members: tuple[int, ...] = ()  # (elastic) the --rank of each member, in rank order; () for all of them
+    job_steps: dict[str, int] = field(default_factory=dict)  # (elastic) job -> the step it is at, over members
 
 
 def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:

@@ -48,16 +48,18 @@ class TrainerService(pb_grpc.TrainerServicer):
         step_timeout_s: how long a Submit without a deadline waits.
         count_error: counts each error status answered.
         wait_whole: waits up to a timeout for the node's membership to be whole; None, or why not.
+        job_step: the step a job was at when the current generation formed (0 if unknown).
     """
 
     def __init__(self, registry: JobRegistry, trainer_steps: TrainerSteps, membership: Callable[[], Membership],
                  buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
                  step_timeout_s: float, count_error: Callable[[str], None],
-                 wait_whole: Callable[[float], str | None] = lambda timeout_s: None):
+                 wait_whole: Callable[[float], str | None] = lambda timeout_s: None,
+                 job_step: Callable[[str], int] = lambda job: 0):
         self.registry, self.trainer_steps, self.membership = registry, trainer_steps, membership
         self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
-        self.wait_whole = wait_whole
+        self.wait_whole, self.job_step = wait_whole, job_step
 
     def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
         """The open session, if the caller holds its job's token (an unknown session is NOT_FOUND first)."""
@@ -74,7 +76,8 @@ class TrainerService(pb_grpc.TrainerServicer):
                                           "pid": s.pid})
         m = self.membership()
         return pb.OpenSessionReply(session_id=s.session_id, buffer_socket=self.buffer_socket, node_rank=m.rank,
-                                   node_count=m.world_size, generation=m.generation, daemon_version=daemon_version())
+                                   node_count=m.world_size, generation=m.generation, daemon_version=daemon_version(),
+                                   job_step=self.job_step(s.job))
 
     @maps_errors
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -114,9 +117,10 @@ class TrainerService(pb_grpc.TrainerServicer):
 
     @maps_errors
     def Ready(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._session(context, request.session_id)
+        s = self._session(context, request.session_id)
         left = context.time_remaining()
         timeout_s = min(max(0.0, request.timeout_seconds), MAX_READY_WAIT_S, left - 0.05 if left else MAX_READY_WAIT_S)
         why = self.wait_whole(max(0.0, timeout_s))
         m = self.membership()
-        return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "")
+        return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "",
+                             job_step=self.job_step(s.job))

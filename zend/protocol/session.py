@@ -98,6 +98,7 @@ class TrainerSession:
             raise
         self.session_id = reply.session_id
         self.node_rank, self.node_count, self.generation = reply.node_rank, reply.node_count, reply.generation
+        self.job_step = reply.job_step  # the step the job is at (a restarted trainer resumes there)
         self.buffer_socket = reply.buffer_socket
         self.buffers = BufferClient(reply.buffer_socket, self.session_id, timeout_s=timeout_s)
 

@@ -48,20 +48,22 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "buffer_socket", "node_rank", "node_count", "generation", "daemon_version")
+    __slots__ = ("session_id", "buffer_socket", "node_rank", "node_count", "generation", "daemon_version", "job_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SOCKET_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     buffer_socket: str
     node_rank: int
     node_count: int
     generation: int
     daemon_version: str
-    def __init__(self, session_id: _Optional[str] = ..., buffer_socket: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    job_step: int
+    def __init__(self, session_id: _Optional[str] = ..., buffer_socket: _Optional[str] = ..., node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., daemon_version: _Optional[str] = ..., job_step: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -152,16 +154,18 @@ class ReadyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class ReadyReply(_message.Message):
-    __slots__ = ("ready", "generation", "node_count", "reason")
+    __slots__ = ("ready", "generation", "node_count", "reason", "job_step")
     READY_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    JOB_STEP_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     generation: int
     node_count: int
     reason: str
-    def __init__(self, ready: _Optional[bool] = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    job_step: int
+    def __init__(self, ready: _Optional[bool] = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ..., reason: _Optional[str] = ..., job_step: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
