@@ -100,16 +100,6 @@ class ElasticRendezvous:
                 raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
                                       f"{_first_line(exc)}") from None
 
-    def dropped(self) -> bool:
-        """Whether the rendezvous dropped this node from its round (it stood still past the keep-alive
-        limit: SIGSTOP, swap), so that its heartbeats stopped for good: it must join again. Reads
-        torch's handler state (private; torch is pinned), as synced by the last `waiting`."""
-        with self._lock:
-            handler: Any = self._handler
-            state = handler._state_holder.state
-            return bool(state.complete and handler._this_node not in state.participants
-                        and handler._this_node not in state.wait_list)
-
     def _publish(self, store: Any, slot: int, members: int, job_steps: dict[str, int]) -> Membership:
         """Within one round's store: the generation, then every member's URI, settings and --rank.
 
