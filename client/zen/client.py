@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import torch
 
-from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, ZenError, from_rpc_error
+from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, OutOfOrder, ZenError, from_rpc_error
 from zend.core import dtypes
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
@@ -122,6 +122,7 @@ class Client:
                 if reply.ready:
                     self.generation, self.job_step = int(reply.generation), int(reply.job_step)
                     self._session.node_count = int(reply.node_count)  # smaller after a scale-in: world_size
+                    self._check_not_behind()
                     return self.generation
                 why = reply.reason
             except grpc.RpcError as exc:
@@ -141,6 +142,16 @@ class Client:
             except OSError as exc:  # the new session's buffers (socket, memfd)
                 why = f"{type(exc).__name__}: {exc}"
             time.sleep(0.2)
+
+    def _check_not_behind(self) -> None:
+        """OutOfOrder if a tensor of ours is at a step the job has finished: every other node delivered
+        it while this node's daemon was killed, after its vote, before our result reached us. Its
+        result is lost with that daemon, and nobody would ever run the step again (a hang)."""
+        behind = {name: e.next_step for name, e in self._tensors.items() if e.next_step < self.job_step}
+        if behind:
+            raise OutOfOrder(f"the job is at step {self.job_step}, but this trainer's {sorted(behind.items())} "
+                             "(tensor, step) finished on the other nodes while this node's daemon restarted, and "
+                             f"the result is lost: restart this trainer from a checkpoint of step {self.job_step}")
 
     def _reopen(self, timeout_s: float) -> None:
         """A new session with a restarted daemon, every tensor registered again under its name; all
