@@ -86,6 +86,10 @@ class Trainer:
                 if self.stop:
                     return
                 time.sleep(0.05)
+            except ConnectionError:  # its daemon was killed: the thread of a trainer that is being replaced
+                if self.stop:
+                    return
+                raise
 
     def first(self, kind: str, after: float) -> float | None:
         return next((t for k, _, t in list(self.events) if (k == kind or (kind == "error" and k != "ok"))

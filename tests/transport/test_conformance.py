@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
+import struct
 import time
 
 import pytest
@@ -227,3 +229,65 @@ def test_auto_transport_choice_and_reason():
     assert choose_transport("tcp", ["a"]) == ("tcp", "set to tcp")
     with pytest.raises(ValueError, match="'rdma' is not"):
         choose_transport("rdma", ["a"])
+
+
+def _hello(identity: object) -> bytes:
+    """A tcp:// handshake hello as a client that does not know the secret can send it."""
+    body = ('{"type": "hello", "nonce": "00", "identity": ' + identity + "}").encode() \
+        if isinstance(identity, str) else json.dumps({"type": "hello", "nonce": "00", "identity": identity}).encode()
+    return struct.pack("<I", len(body)) + body
+
+
+HOSTILE_HELLOS = {
+    "Infinity": _hello('{"protocol": Infinity, "cluster": "test", "world_size": 2, "generation": 0, "rank": 1}'),
+    "NaN rank": _hello('{"protocol": 2, "cluster": "test", "world_size": 2, "generation": 0, "rank": NaN}'),
+    "huge int": _hello({"protocol": 2, "cluster": "test", "world_size": 2, "generation": 10 ** 400, "rank": 1}),
+    "float rank": _hello({"protocol": 2, "cluster": "test", "world_size": 2, "generation": 0, "rank": 1.5}),
+    "nested 2000 deep": _hello("[" * 2000 + "]" * 2000),
+}
+
+
+def test_hostile_hellos_are_refused_and_the_listener_keeps_letting_peers_in(processes, scheme):
+    if scheme != "tcp":
+        pytest.skip("the raw hello framing is tcp://'s; ucx:// frames its handshake inside UCX")
+    good = processes.start(0, 2)
+    for name, junk in HOSTILE_HELLOS.items():
+        with socket.create_connection(good.address, timeout=5) as s:
+            s.sendall(junk)
+            s.settimeout(5)
+            with contextlib.suppress(OSError):
+                reply = s.recv(4096)
+                assert b"challenge" not in reply, name
+    linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=20)
+    right = processes.start(1, 2)
+    right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=10)
+    good.wait(linking)
+    right.call("send", dst=0, tag="in", seeds=[5], size=64)
+    assert good.call("recv", src=1, tag="in", seeds=[5], size=64)["intact"] == [True]
+
+
+def test_idle_and_trickling_clients_do_not_keep_a_peer_out(processes, scheme):
+    if scheme != "tcp":
+        pytest.skip("raw tcp clients: ucx:// accepts through UCX's own listener")
+    good = processes.start(0, 2, timeout_s=2)
+    idle = [socket.create_connection(good.address, timeout=5) for _ in range(200)]  # beyond the pending bound
+    trickler = socket.create_connection(good.address, timeout=5)
+    try:
+        trickler.sendall(b"\x10")  # a length prefix, one byte at a time
+        linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=30)
+        started = time.monotonic()
+        right = processes.start(1, 2, timeout_s=2)
+        right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=20)
+        good.wait(linking)
+        assert time.monotonic() - started < 15, "the peer got in only after the junk timed out"
+        right.call("send", dst=0, tag="in", seeds=[6], size=64)
+        assert good.call("recv", src=1, tag="in", seeds=[6], size=64)["intact"] == [True]
+        time.sleep(2.5)  # past the handshake deadline: the idle ones were cut
+        trickler.settimeout(5)
+        with contextlib.suppress(OSError):
+            trickler.sendall(b"\x00")
+        assert trickler.recv(16) == b""
+    finally:
+        trickler.close()
+        for s in idle:
+            s.close()

@@ -79,23 +79,37 @@ def dump(message: Message) -> bytes:
 def parse(body: bytes) -> Message:
     if len(body) > MAX_HANDSHAKE_BYTES:
         raise HandshakeError(f"handshake message of {len(body)} bytes exceeds {MAX_HANDSHAKE_BYTES}")
-    try:
-        message = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    try:  # an unauthenticated peer wrote it: no NaN or Infinity, no nesting deep enough to recurse out
+        message = json.loads(body, parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise HandshakeError(f"handshake message is not JSON: {exc}") from None
+    except RecursionError:
+        raise HandshakeError("handshake message is nested too deep") from None
     if not isinstance(message, dict):
         raise HandshakeError("handshake message is not a JSON object")
     return message
 
 
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a value a handshake carries")
+
+
+def _whole(fields: dict[str, object], name: str) -> int:
+    value = fields[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{name}={value!r:.40} is not a non-negative 64-bit integer")
+    return value
+
+
 def identity_of(message: Message) -> Identity:
     try:
         fields = message["identity"]
-        assert isinstance(fields, dict)
-        return Identity(int(fields["protocol"]), str(fields["cluster"]), int(fields["world_size"]),
-                        int(fields["generation"]), int(fields["rank"]))
-    except (KeyError, TypeError, ValueError, AssertionError):
-        raise HandshakeError(f"handshake message lacks a valid identity: {message!r:.200}") from None
+        if not isinstance(fields, dict) or not isinstance(fields.get("cluster"), str):
+            raise TypeError("identity is not an object with a cluster id")
+        return Identity(_whole(fields, "protocol"), str(fields["cluster"]), _whole(fields, "world_size"),
+                        _whole(fields, "generation"), _whole(fields, "rank"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HandshakeError(f"handshake message lacks a valid identity ({exc}): {message!r:.200}") from None
 
 
 def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes, expected_rank: int) -> None:

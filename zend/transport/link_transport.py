@@ -228,14 +228,26 @@ class LinkTransport(Communicator):
                 lambda: hs.parse(self._recv_message(link)))
 
     def _accept(self, link: Any, origin: str) -> None:
-        """Authenticate a link a peer opened to us; refuse it (and only it) if that fails."""
+        """Authenticate a link a peer opened to us; refuse it (and only it) if that fails, whatever the
+        failure: the other side is not authenticated yet, and may send anything, or nothing. The
+        whole handshake must be done within the peer timeout (a client trickling bytes is cut)."""
+        deadline = threading.Timer(self.timeout_s, self._interrupt_link, (link,))
+        deadline.daemon = True
+        deadline.start()
         try:
             rank = hs.accept_side(*self._handshake_io(link), self.identity, self.secret)
-        except (OSError, ConnectionError, hs.HandshakeError, TimeoutError) as exc:
-            log.warning("rank %d: refused connection from %s: %s", self.rank, origin, exc)
+        except Exception as exc:
+            log.warning("rank %d: refused connection from %s: %s: %s", self.rank, origin, type(exc).__name__,
+                        str(exc)[:200])
             self._close_link(link)
             return
+        finally:
+            deadline.cancel()
         self._attach(rank, link)
+
+    def _interrupt_link(self, link: Any) -> None:
+        """Make a handshake's blocked receive on `link` fail now (its deadline passed). A backend
+        whose receives have their own bound may leave this as it is."""
 
     # ------------------------------------------------------------------ links
     def _dial(self, j: int, deadline: float) -> None:

@@ -12,8 +12,10 @@ mailboxes, backpressure, failures, redial) is in link_transport.py and handshake
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,8 @@ from zend.transport.link_transport import LinkTransport
 
 SOCKET_BUFFER_BYTES = 8 << 20
 _LENGTH = struct.Struct("<I")
+MAX_HANDSHAKES = 64  # connections being authenticated at once; a flood beyond it is closed at accept
+log = logging.getLogger("zend.transport")
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -79,7 +83,11 @@ class TcpTransport(LinkTransport):
         return self
 
     def _accept_loop(self) -> None:
+        """Accept, and hand each connection's handshake to a thread of its own (at most
+        MAX_HANDSHAKES at once; more are closed at once), so that no client, silent or slow or
+        many, keeps a restarted peer from getting in."""
         assert self._listener is not None
+        pending = threading.BoundedSemaphore(MAX_HANDSHAKES)
         while not self._closed:
             try:
                 sock, addr = self._listener.accept()
@@ -87,8 +95,29 @@ class TcpTransport(LinkTransport):
                 continue
             except OSError:
                 return
-            sock.settimeout(self.timeout_s)  # a silent client cannot hold the handshake forever
-            self._accept(sock, f"{addr[0]}:{addr[1]}")
+            origin = f"{addr[0]}:{addr[1]}"
+            if not pending.acquire(blocking=False):
+                log.warning("rank %d: refused connection from %s: %d handshakes already pending", self.rank,
+                            origin, MAX_HANDSHAKES)
+                self._close_link(sock)
+                continue
+            try:
+                sock.settimeout(self.timeout_s)  # and the whole handshake is bound too (_accept)
+                threading.Thread(target=self._handshake_then_release, args=(sock, origin, pending),
+                                 name="handshake", daemon=True).start()
+            except Exception:  # no thread to be had: this connection only
+                pending.release()
+                self._close_link(sock)
+
+    def _handshake_then_release(self, sock: socket.socket, origin: str, pending: threading.BoundedSemaphore) -> None:
+        try:
+            self._accept(sock, origin)
+        finally:
+            pending.release()
+
+    def _interrupt_link(self, link: Any) -> None:
+        with contextlib.suppress(OSError):
+            link.shutdown(socket.SHUT_RDWR)
 
     def _stop_backend(self) -> None:
         if self._listener is not None:
