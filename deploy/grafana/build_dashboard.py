@@ -237,14 +237,18 @@ def build() -> db.Dashboard:
         "zen_receive_pool_reuse_ratio", width=12))
     d = d.with_panel(
         table.Panel().id(45).title("Daemons").datasource(DS).span(24).height(6)
-        .description("What each daemon runs, and its membership generation.")
+        .description("What each daemon runs, its membership generation and when that formed (--elastic; "
+                     "0 with static membership).")
         .with_target(query(f"max by (instance, node, transport, ucx_transports, membership) "
                            f"({sel('zen_node_info')})", ref="A", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_generation')})", ref="B", instant=True))
+        .with_target(query(f"max by (instance) ({sel('zen_membership_last_change_timestamp_seconds')}) * 1000",
+                           ref="C", instant=True))
         .with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
         .with_transformation(dm.DataTransformerConfig(
             id_val="organize", options={"excludeByName": {"Time": True, "Value #A": True},
-                                        "renameByName": {"Value #B": "generation"}}))
+                                        "renameByName": {"Value #B": "generation",
+                                                         "Value #C": "generation formed"}}))
         .sort_by([cb.TableSortByFieldState().display_name("node")])
         .cell_height(common.TableCellHeight.SM))
     return d
