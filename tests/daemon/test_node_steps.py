@@ -4,6 +4,7 @@ for its trainers' buffers: no gRPC, no sockets, no processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -214,3 +215,34 @@ def test_steps_are_refused_until_the_node_has_joined_and_after_it_drains() -> No
     assert steps.wait_in_flight(1.0) == (0, 0)
     with pytest.raises(StepError, match="draining: no new steps"):
         steps.check_accepting("steps")
+
+
+class RowOutOfRange:
+    """A scheme whose result holds a row past the tensor's end, as a hostile peer's pull would make it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def sync(self, channel: Any, grad: SparseGrad, average: bool = False) -> Any:
+        result = self.inner.sync(channel, grad, average=average)
+        g = result.grad
+        bad = SparseGrad(torch.cat([g.indices, torch.tensor([g.num_rows + 5])]), torch.cat([g.values, g.values[:1]]),
+                         g.num_rows, g.name, True)
+        return dataclasses.replace(result, grad=bad)
+
+
+def test_a_row_outside_the_tensor_in_a_nodes_sum_fails_the_step_on_every_node_before_delivery() -> None:
+    spec = TensorSpec(JOB, "emb", (120, 4), "float32", "sparse_rows", False)
+
+    def body(node: Node, session: Session, trainer: int) -> SparseGrad:
+        if trainer == 1:  # node 1's sum comes out with row 125 of a 120-row tensor
+            node.registry.register(session, spec, lambda: RowOutOfRange(make_scheme("zen", seed=3)))
+        return node.submit(session, spec, grad_of(trainer, 0), 0)
+
+    results = [got for per_node in run_job(3, 1, "zen", body) for got in per_node]
+    for got in results:
+        assert isinstance(got, StepError) and got.code == codes.INVALID_ARGUMENT, got
+        assert "row 125, outside [0, 120)" in got.message, got.message

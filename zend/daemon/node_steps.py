@@ -178,6 +178,7 @@ class NodeSteps:
     def _outcome(self, state: TensorState, grad: SparseGrad, result: SyncResult, phases: dict[str, float]
                  ) -> StepOutcome:
         spec, out = state.spec, result.grad
+        check_rows(spec, out)
         trainers = self.world_size * state.local_world_size
         if spec.average and trainers > 1:  # the scheme summed; the mean is over every trainer of the job
             out = out.with_values((out.values.to(torch.float32) / trainers).to(spec.dtype))
@@ -185,6 +186,20 @@ class NodeSteps:
                            costmodel.dense_ring_bytes(self.world_size, spec.dense_bytes), grad.nnz,
                            result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases,
                            self.generation, self.world_size)
+
+
+def check_rows(spec: TensorSpec, out: SparseGrad) -> None:
+    """SparseGradError unless every row of the sum is one of the tensor's: it was assembled from what
+    peers sent, and a trainer that builds a tensor from an out-of-range row writes outside its memory
+    (the trainer reads the result unchecked). One pass over the indices, before the commit, so a bad
+    peer message fails the step on every node."""
+    if spec.layout == "dense" or out.nnz == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(out.indices))
+    if low < 0 or high >= spec.num_rows:
+        bad = low if low < 0 else high
+        raise SparseGradError(f"the sum of {spec.name!r} holds row {bad}, outside [0, {spec.num_rows}): a peer sent "
+                              "a row that is not the tensor's")
 
 
 RELAYED_CODES = frozenset({codes.ABORTED, codes.INVALID_ARGUMENT, codes.INTERNAL})  # what a peer's abort may carry
