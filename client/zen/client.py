@@ -24,7 +24,6 @@ import grpc
 import torch
 
 from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, OutOfOrder, ZenError, from_rpc_error
-from zend.core import dtypes
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
 from zend.protocol import paths
@@ -160,10 +159,7 @@ class Client:
         handles: dict[str, TensorHandle] = {}
         try:
             for name, entry in self._tensors.items():
-                spec = entry.handle.spec
-                handles[name] = session.register(name, spec.shape, dtypes.BY_NAME[spec.dtype_name].torch,
-                                                 dense=spec.layout == "dense", average=spec.average,
-                                                 device=entry.handle.device)
+                handles[name] = session.register_again(entry.handle)
         except BaseException as exc:
             session.close()
             if isinstance(exc, grpc.RpcError):

@@ -263,11 +263,9 @@ class Daemon:
                                                    "reason": why})
         if not self.trainer_steps.draining:
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.trainer_steps.changing = f"membership changing after generation {old.generation}: {why}"
-        transport, self.transport = self.transport, None
-        if transport is not None:
-            transport.close()  # steps in flight fail now (ABORTED) instead of waiting on a dead peer
-        self.trainer_steps.suspend(self.trainer_steps.changing, s.step_timeout_s)
+        self.trainer_steps.refuse(f"membership changing after generation {old.generation}: {why}")
+        self._drop_transport()  # steps in flight fail now (ABORTED) instead of waiting on a dead peer
+        self.trainer_steps.end_generation(s.step_timeout_s)
         self.job_steps.update(self.registry.job_steps())  # what this node knew, for a node that knows nothing
         self.registry.new_generation(self.new_scheme)
         while not self._stopped.is_set():
@@ -279,14 +277,10 @@ class Daemon:
                 break
             except Exception as exc:  # no complete round yet, a member lost while connecting: try again
                 log.warning("membership not formed, retrying", extra={"event": "membership_retry", "error": str(exc)})
-                transport, self.transport = self.transport, None
-                if transport is not None:
-                    transport.close()
+                self._drop_transport()
                 self._stopped.wait(1.0)  # a retry that fails at once must not spin
         if self._stopped.is_set():  # stop() came while joining: it could not close what came after it
-            transport, self.transport = self.transport, None
-            if transport is not None:
-                transport.close()
+            self._drop_transport()
             return
         self.last_change = (why, time.time())
         self.job_steps.update(self.membership.job_steps)
@@ -296,6 +290,11 @@ class Daemon:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.warning("membership changed", extra={"event": "membership_changed", "generation":
                                                  self.membership.generation, "nodes": self.membership.world_size})
+
+    def _drop_transport(self) -> None:
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.close()
 
     def not_whole(self) -> str | None:
         """Why this node cannot run steps now (a change under way, a peer lost), or None."""

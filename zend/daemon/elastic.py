@@ -30,6 +30,7 @@ from zend.daemon.membership import (
     RendezvousTimeoutError,
     check_agreement,
     check_unique,
+    first_line,
     with_protocol,
 )
 
@@ -61,7 +62,7 @@ class ElasticRendezvous:
         except DistError as exc:
             raise RendezvousTimeoutError(f"rank {rank} could not reach the rendezvous store at {self.where} within "
                                          f"{timeout_s:g}s (is `zend store` running there?): "
-                                         f"{_first_line(exc)}") from None
+                                         f"{first_line(exc)}") from None
         backend = C10dRendezvousBackend(self._store, f"zen-{cluster_id}")
         self._handler = DynamicRendezvousHandler.from_backend(
             f"zen-{cluster_id}", self._store, backend, self.min_nodes, world_size, local_addr=_host_of(my_uri),
@@ -86,10 +87,10 @@ class ElasticRendezvous:
             except RendezvousError as exc:
                 raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.min_nodes}-"
                                              f"{self.world_size} nodes at {self.where} within {self.timeout_s:g}s: "
-                                             f"{_first_line(exc)}") from None
+                                             f"{first_line(exc)}") from None
             except RuntimeError as exc:  # torch's store errors (DistStoreError, DistNetworkError)
                 raise MembershipError(f"rank {self.rank}: the rendezvous store at {self.where} failed: "
-                                      f"{_first_line(exc)}") from None
+                                      f"{first_line(exc)}") from None
 
     def waiting(self) -> int:
         """Daemons waiting to join (a restarted one): the members should `join` the next round."""
@@ -98,7 +99,7 @@ class ElasticRendezvous:
                 return int(self._handler.num_nodes_waiting())
             except Exception as exc:
                 raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
-                                      f"{_first_line(exc)}") from None
+                                      f"{first_line(exc)}") from None
 
     def _publish(self, store: Any, slot: int, members: int, job_steps: dict[str, int]) -> Membership:
         """Within one round's store: the generation, then every member's URI, settings and --rank.
@@ -152,11 +153,6 @@ def _host_of(uri: str) -> str:
     from zend.transport import parse_uri
 
     return parse_uri(uri)[1]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def serve_store(host: str, port: int, stop: threading.Event, ready: Any = None) -> None:

@@ -55,6 +55,12 @@ class Membership:
     job_steps: dict[str, int] = field(default_factory=dict)  # (elastic) job -> the step it is at, over members
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (torch's store errors append a C++ backtrace), or its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _check_int(field: str, value: object, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise MembershipError(f"{field}={value!r} is not an integer")
@@ -201,7 +207,7 @@ class _Round:
             self._store = TCPStore(self.host, self.port, self.world_size, hosting, self.remaining(),
                                    wait_for_workers=False)
         except DistError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             if hosting:
                 raise MembershipError(f"rank 0 could not host the rendezvous store on port {self.port} "
                                       f"({self.where}): {first}") from None
@@ -233,7 +239,7 @@ class _Round:
         try:
             return getattr(self._store, method)(*args)
         except DistError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where} "
                                   f"(rank 0 gave up or exited): {first}") from None
 

@@ -59,11 +59,15 @@ class TrainerSteps:
         with self._lock:
             self._node, self.changing = node, None
 
-    def suspend(self, reason: str, timeout_s: float) -> None:
-        """The node's membership changes: refuse new steps (ABORTED, naming `reason`), fail those not
-        started, and wait up to timeout_s for those running (their transport is being closed)."""
+    def refuse(self, reason: str) -> None:
+        """The node's membership changes: new steps are refused (ABORTED, naming `reason`) until `open`."""
         with self._lock:
             self._node, self.changing = None, reason
+
+    def end_generation(self, timeout_s: float) -> None:
+        """After `refuse`: fail the steps not started, wait up to timeout_s for those running (their
+        transport is closed), and start the step table afresh."""
+        reason = self.changing
 
         def error_for(step: Step) -> StepError:
             return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "

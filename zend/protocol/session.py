@@ -118,6 +118,12 @@ class TrainerSession:
         return self.stub.Ready(pb.ReadyRequest(session_id=self.session_id, timeout_seconds=timeout_s),
                                timeout=timeout_s + 5.0, metadata=self.metadata)
 
+    def register_again(self, handle: TensorHandle) -> TensorHandle:
+        """`handle`'s tensor registered in this session (a new session after its daemon restarted)."""
+        spec = handle.spec
+        return self.register(spec.name, spec.shape, dtypes.BY_NAME[spec.dtype_name].torch, dense=spec.layout == "dense",
+                             average=spec.average, device=handle.device)
+
     def _input_buffer(self, handle: TensorHandle, nbytes: int) -> Any:
         if handle.input is None or handle.input.nbytes < nbytes:
             if handle.input is not None:
