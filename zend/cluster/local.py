@@ -80,24 +80,22 @@ class LocalCluster:
                 "--socket-dir", self.socket_dir(node), "--metrics-port", str(self.metrics_ports[node]),
                 "--metrics-host", "127.0.0.1", *self.extra]
 
-    def start_node(self, node: int) -> None:
-        log = open(self.log_path(node), "ab")  # noqa: SIM115 (the child owns it)
-        argv = self.argv(node)
+    def _popen(self, argv: list[str], host: int, log_path: Path) -> subprocess.Popen[bytes]:
+        """A process of the cluster in a session of its own, in host's namespace when emulated, logging to log_path."""
+        log = open(log_path, "ab")  # noqa: SIM115 (the child owns it)
         if self.emulated is not None:
-            argv = ["ip", "netns", "exec", self.emulated.namespace(node), *argv]
-        self.procs[node] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+            argv = ["ip", "netns", "exec", self.emulated.namespace(host), *argv]
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         log.close()
+        return proc
+
+    def start_node(self, node: int) -> None:
+        self.procs[node] = self._popen(self.argv(node), node, self.log_path(node))
 
     def start_store(self) -> None:
         """The elastic rendezvous store, in its own process (in node 0's namespace when emulated)."""
-        log = open(self.workdir / "store.log", "ab")  # noqa: SIM115 (the child owns it)
-        argv = [sys.executable, "-m", "zend", "store", "--listen", self.store]
-        if self.emulated is not None:
-            argv = ["ip", "netns", "exec", self.emulated.namespace(0), *argv]
-        self.store_proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                           start_new_session=True)
-        log.close()
+        self.store_proc = self._popen([sys.executable, "-m", "zend", "store", "--listen", self.store], 0,
+                                      self.workdir / "store.log")
         host, _, port = self.store.rpartition(":")
         deadline = time.monotonic() + 30
         while True:  # until it accepts connections
@@ -111,12 +109,6 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"zend store at {self.store} not up within 30 s") from None
                 time.sleep(0.05)
-
-    def restart(self, node: int, timeout_s: float | None = None) -> None:
-        """kill -9 node's daemon, start it again with the same rank, wait until it is ready."""
-        self.kill(node)
-        self.start_node(node)
-        self.wait_ready(node, timeout_s)
 
     def __enter__(self) -> LocalCluster:
         try:
