@@ -4,10 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,ucx]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,ucx]'
 	touch $(STAMP)
 
 .PHONY: setup demo cluster simulate test lint bench

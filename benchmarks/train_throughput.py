@@ -2,8 +2,10 @@
 
 n ranks, one per network namespace behind a rate-limited link (zend/cluster/netns.py), a zend daemon
 in each namespace for the zen runs. In the same run and on the same namespaces:
-  zen            DDP with zen.comm_hook: the sparse tables through the daemons, dense buckets by gloo
-  zen+topk       the same, dense buckets top-k (1%) with error feedback through the daemons (gpt only)
+  zen            plain DDP on the "zen" torch.distributed backend: the sparse tables through the
+                 daemons, dense buckets by the backend's inner gloo group
+  zen hook       DDP on gloo with zen.comm_hook: the same split
+  zen+topk       the hook, dense buckets top-k (1%) with error feedback through the daemons (gpt only)
   gloo sparse    plain DDP: torch's own sparse allreduce for the tables, gloo allreduce for the rest
   gloo dense     plain DDP with dense tables
   local          every rank alone (a world of one, no communication) at the same time: the compute
@@ -30,7 +32,8 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = {"zen": ["--backend", "zen"], "zen+topk": ["--backend", "zen", "--dense", "topk"],
+RUNS = {"zen": ["--backend", "zen"], "zen hook": ["--backend", "zen-hook"],
+        "zen+topk": ["--backend", "zen-hook", "--dense", "topk"],
         "gloo sparse": ["--backend", "gloo"], "gloo dense": ["--backend", "gloo-dense"], "local": ["--backend", "gloo"]}
 EXAMPLES = {  # script, model arguments, the runs it offers
     "gpt": ("examples/gpt_sparse.py", ["--layers", "1", "--context", "64", "--batch", "4"], list(RUNS)),

@@ -18,7 +18,9 @@ from torch import nn
 
 
 def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
-    p.add_argument("--backend", choices=["zen", "gloo", "gloo-dense"], default="zen")
+    p.add_argument("--backend", choices=["zen", "zen-hook", "gloo", "gloo-dense"], default="zen",
+                   help="zen: torch.distributed's backend 'zen' (sparse all_reduce through zend, the rest on gloo); "
+                        "zen-hook: a gloo group with zen.comm_hook on DDP (dense buckets top-k'd with --dense topk)")
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -26,8 +28,8 @@ def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--trainers", type=int, default=2, help="ranks per node (with --launch)")
     p.add_argument("--restart-daemon-at", type=int, default=None, metavar="STEP",
-                   help="with --launch --backend zen: kill -9 node 1's daemon as step STEP starts and start it "
-                        "again; the loop waits for the cluster and redoes the step (an elastic cluster)")
+                   help="with --launch --backend zen|zen-hook: kill -9 node 1's daemon as step STEP starts and "
+                        "start it again; the loop waits for the cluster and redoes the step (an elastic cluster)")
 
 
 def launch(script: str, args: argparse.Namespace, job: str) -> int:
@@ -35,31 +37,50 @@ def launch(script: str, args: argparse.Namespace, job: str) -> int:
     from zend.cluster.launcher import run_local_job
 
     forward = [a for a in sys.argv[1:] if a != "--launch"]
-    return run_local_job([sys.executable, script, *forward], args.nodes, args.trainers, job,
-                         with_zen=args.backend == "zen", restart_daemon_at=args.restart_daemon_at)
+    return run_local_job([script, *forward], args.nodes, args.trainers, job,
+                         with_zen=args.backend.startswith("zen"), restart_daemon_at=args.restart_daemon_at)
 
 
-def join_job(seed: int) -> tuple[int, int]:
-    """(rank, world size) from torchrun's variables, with torch.distributed up over gloo."""
+def join_job(seed: int, backend: str, pg_options: Any = None) -> tuple[int, int]:
+    """(rank, world size) from torchrun's variables, with torch.distributed up: on the "zen"
+    backend for --backend zen (the one string a user changes), else on gloo."""
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "zen":
+        import zen  # noqa: F401  (registers the backend)
+    dist.init_process_group("zen" if backend == "zen" else "gloo", rank=rank, world_size=world,
+                            pg_options=pg_options if backend == "zen" else None)
     return rank, world
 
 
 def wrap(model: nn.Module, backend: str, **hook_options: Any) -> tuple[nn.Module, Any, Any]:
-    """DDP over `model`; with backend zen, its sparse buckets go through the node's daemon.
-    Returns (ddp, client, hook state); the last two are None without zen."""
+    """DDP over `model`. Returns (ddp, client, errors): the zen client and what re-raises zen's
+    typed error after a failed backward (the process group, or the hook state); None without zen.
+    With backend zen, plain DDP on the zen process group sends its sparse buckets through zend;
+    with zen-hook, zen.comm_hook does (and dense ones too with dense="topk")."""
     ddp = nn.parallel.DistributedDataParallel(model)
-    client = state = None
     if backend == "zen":
+        import zen
+
+        return ddp, zen.distributed.client_of(), dist.group.WORLD
+    if backend == "zen-hook":
         import zen
 
         client = zen.Client()
         state = zen.HookState(client, model, **hook_options)
         ddp.register_comm_hook(state, zen.comm_hook)
-    return ddp, client, state
+        return ddp, client, state
+    return ddp, None, None
+
+
+def last_stats(backend: str, client: Any, model: nn.Module, param: str, prefix: str = "ddp") -> Any:
+    """The daemon's figures for the last step of parameter `param`'s sparse gradient."""
+    import zen
+
+    if backend == "zen-hook":
+        return client.last_stats(f"{prefix}.{param}")  # zen.comm_hook names buckets by their parameters
+    return client.last_stats(zen.distributed.sparse_name(model.get_parameter(param)))
 
 
 def step_surviving_faults(run: Callable[[], torch.Tensor], client: Any, hook: Any) -> torch.Tensor:
@@ -80,7 +101,7 @@ def step_surviving_faults(run: Callable[[], torch.Tensor], client: Any, hook: An
                     raise
                 hook.reraise()
                 raise
-            except (zen.StepAborted, zen.DaemonUnavailable) as fault:
+            except (zen.StepAborted, zen.DaemonUnavailable) as fault:  # redo the step
                 print(f"rank {os.environ.get('RANK', '?')}: {type(fault).__name__}: {fault}; waiting for the "
                       "cluster, then redoing the step", file=sys.stderr, flush=True)
                 client.wait_ready(120)
@@ -123,8 +144,8 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
             report_step(row, args.steps, what, args.json)
     if rank == 0 and not args.json:
         report_summary(rows, args.backend)
-    if client is not None:
-        client.close()
+    if client is not None and hook is not dist.group.WORLD:
+        client.close()  # the hook's; the zen process group closes its own
     dist.destroy_process_group()
     return rows
 

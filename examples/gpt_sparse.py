@@ -1,8 +1,10 @@
 """A GPT-style language model with a sparse token embedding, trained data-parallel on real English.
 
 Jane Austen's novels in the real GPT-2 BPE (bundled with zend), next-token prediction, DDP on
-every rank. With `--backend zen` the sparse embedding gradient goes through the node's zend
-daemon (DDP comm hook, zen.comm_hook) and dense buckets through gloo; with `--backend gloo`
+every rank. With `--backend zen` (torch.distributed's "zen" backend) the sparse embedding
+gradient goes through the node's zend daemon and dense buckets through gloo; `--backend zen-hook`
+does the same with zen.comm_hook on a gloo group (and `--dense topk` top-k's the dense buckets
+through zend too); with `--backend gloo`
 DDP allreduces everything with gloo, the embedding with torch's own sparse allreduce; with
 `--backend gloo-dense` the embedding is an ordinary dense parameter.
 
@@ -22,7 +24,7 @@ import sys
 from typing import Any
 
 import torch
-from common import add_run_args, join_job, launch, train_steps, wrap  # examples/common.py
+from common import add_run_args, join_job, last_stats, launch, train_steps, wrap  # examples/common.py
 from torch import nn
 
 from zend.simulator.traces import GPT2_VOCAB, TokenTrace
@@ -64,7 +66,12 @@ class TinyGPT(nn.Module):
 
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rank, world = join_job(args.seed)
+    options = None
+    if args.backend == "zen":
+        import zen
+
+        options = zen.distributed.Options(dense="topk" if args.dense == "topk" else None, topk_ratio=args.topk)
+    rank, world = join_job(args.seed, args.backend, options)
     model = TinyGPT(GPT2_VOCAB, args.dim, args.layers, args.heads, args.context, args.backend != "gloo-dense",
                     args.sampled)
     if rank == 0 and not args.json:
@@ -86,7 +93,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         return loss
 
     def wire_of(client: Any) -> dict[str, Any]:
-        stats = client.last_stats("ddp.tokens.weight")  # zen.comm_hook names buckets by their parameters
+        stats = last_stats(args.backend, client, model, "tokens.weight")
         return {"wire_bytes": float(stats.bytes_sent) if stats is not None else 0.0}
 
     dense_bytes = 2 * (world - 1) / world * GPT2_VOCAB * args.dim * 4

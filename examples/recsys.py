@@ -6,8 +6,9 @@ occupation, the movie's genres, and the movie's neighbours in a Freebase knowled
 `sparse=True`, feed an MLP that predicts the rating (MSE), or with `--objective click` whether
 the user liked the movie (rating >= 4, BCE). DDP on every rank, plain SGD.
 
-  --backend zen         sparse tables through the node's zend daemon (zen.comm_hook), dense
-                        buckets (the MLP) through gloo
+  --backend zen         torch.distributed's "zen" backend: sparse tables through the node's zend
+                        daemon, dense buckets (the MLP) through gloo
+  --backend zen-hook    the same through zen.comm_hook on a gloo group
   --backend gloo        plain DDP; torch's own sparse allreduce (an allgather) for the tables
   --backend gloo-dense  plain DDP with dense tables (sparse=False): every row, every step
 
@@ -35,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import add_run_args, join_job, launch, train_steps, wrap  # examples/common.py
+from common import add_run_args, join_job, last_stats, launch, train_steps, wrap  # examples/common.py
 from torch import nn
 
 DATA = Path(__file__).resolve().parent / "data" / "ml-100k"
@@ -159,14 +160,12 @@ class Recommender(nn.Module):
         return self.mlp(x).squeeze(1)
 
 
-def wire_bytes(client: Any, prefix: str) -> dict[str, int]:
+def wire_bytes(backend: str, client: Any, model: nn.Module, prefix: str) -> dict[str, int]:
     """The bytes this node sent for each table at the step just done (the daemon's figures).
-
-    zen.comm_hook names a bucket PREFIX.<its parameters' names>; each table is a bucket of its own.
-    """
+    Each table is a DDP bucket of its own."""
     out = {}
     for table in TABLES:
-        stats = client.last_stats(f"{prefix}.{table}.weight")
+        stats = last_stats(backend, client, model, f"{table}.weight", prefix)
         if stats is not None:
             out[table] = int(stats.bytes_sent)
     return out
@@ -174,7 +173,7 @@ def wire_bytes(client: Any, prefix: str) -> dict[str, int]:
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     data = MovieLens.load(Path(args.data))
-    rank, world = join_job(args.seed)
+    rank, world = join_job(args.seed, args.backend)
     nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     model = Recommender(data.sizes, args.dim, args.hidden, sparse=args.backend != "gloo-dense")
     ddp, client, hook = wrap(model, args.backend, prefix="recsys")
@@ -197,7 +196,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         return loss
 
     def wire_of(client: Any) -> dict[str, Any]:
-        sent = wire_bytes(client, "recsys")
+        sent = wire_bytes(args.backend, client, model, "recsys")
         return {"wire_bytes": float(sum(sent.values())),
                 "tables": {name: {"wire_bytes": sent.get(name, 0), "dense_bytes": dense[name]} for name in TABLES}}
 

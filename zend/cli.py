@@ -20,7 +20,10 @@ CONTRIBUTORS = (simulator_command, daemon_commands, cluster_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from zend.protocol.version import daemon_version
+
     parser = argparse.ArgumentParser(prog="zend", description="zen: sparse gradient synchronisation (ZEN scheme)")
+    parser.add_argument("--version", action="version", version=f"zend {daemon_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for contributor in CONTRIBUTORS:
         contributor.add_commands(sub)

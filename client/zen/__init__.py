@@ -1,10 +1,17 @@
 """zen: sparse gradient synchronisation through the node's zend daemon (ZEN scheme, OSDI 2025).
 
     import zen
+    dist.init_process_group("zen")      # the torch.distributed backend: sparse all_reduce via zend
+    ddp = DistributedDataParallel(model)
+
+or, for dense buckets top-k'd through the daemon too, the DDP comm hook:
+
     client = zen.Client()                                  # the sidecar sets the environment
     ddp.register_comm_hook(zen.HookState(client, ddp.module), zen.comm_hook)
 """
 
+
+from zen import distributed  # registers the "zen" backend
 from zen.client import Client, StepStats
 from zen.ddp import HookState, comm_hook, sync_gradients
 from zen.errors import (
@@ -18,6 +25,9 @@ from zen.errors import (
     StepTimeout,
     ZenError,
 )
+from zend.protocol.version import daemon_version as _version
+
+__version__ = _version()  # the distribution's (zen-sync): client and daemon ship together
 
 __all__ = [
     "Client",
@@ -32,6 +42,8 @@ __all__ = [
     "StepStats",
     "StepTimeout",
     "ZenError",
+    "__version__",
     "comm_hook",
+    "distributed",
     "sync_gradients",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import torch
+from torch.profiler import record_function
 
 from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, OutOfOrder, ZenError, from_rpc_error
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
@@ -182,7 +183,8 @@ class Client:
             entry.in_flight = True
             step = entry.next_step if step is None else step
         try:
-            out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
+            with record_function(f"zen.allreduce[{name}]"):  # zen's steps show in torch.profiler traces
+                out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:  # by gRPC or on the socket (StepRefused reads the same)
             raise from_rpc_error(exc, self.address) from None
         finally:

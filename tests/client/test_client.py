@@ -24,17 +24,19 @@ class RankCrashed(AssertionError):
     """A rank died by a signal (returncode < 0); its Python stack, if any, is in the message (faulthandler)."""
 
 
-def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300) -> list[str]:  # type: ignore[no-untyped-def]
-    """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones); return their outputs."""
+def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300,  # type: ignore[no-untyped-def]
+                 env: dict[str, str] | None = None) -> list[str]:
+    """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones, then `env`); return
+    their outputs."""
     from zend.cluster.launcher import rank_env
 
     port = free_port()
     procs = []
     for node in range(cluster.nodes):
         for local in range(per_node):
-            env = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
-                   "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # a crash prints its stack
-            procs.append(subprocess.Popen([sys.executable, *script], env=env, stdout=subprocess.PIPE,
+            rank_vars = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
+                         "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **(env or {})}  # a crash prints its stack
+            procs.append(subprocess.Popen([sys.executable, *script], env=rank_vars, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
     outs = []
     try:

@@ -214,21 +214,29 @@ def test_static_membership_errors_name_the_value(change: dict[str, Any], expecte
 
 # --- torchrun's environment ----------------------------------------------------------------------
 
-ENV = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "3"}
+ENV = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "GROUP_WORLD_SIZE": "4", "GROUP_RANK": "3",
+       "WORLD_SIZE": "16", "RANK": "13"}  # torchrun's, on node 3 of 4 with 4 trainers each
 
 
-def test_from_environment_reads_torchrun_variables() -> None:
-    assert from_environment(ENV) == ("10.0.0.1", 29500, 4, 3)
+def test_from_environment_reads_node_level_variables_and_a_port_of_its_own() -> None:
+    assert from_environment(ENV) == ("10.0.0.1", 7001, 4, 3)  # not RANK/WORLD_SIZE (per process), not MASTER_PORT
+    assert from_environment({**ENV, "ZEN_RENDEZVOUS_PORT": "7101", "ZEN_NODE_RANK": "1"}) == ("10.0.0.1", 7101, 4, 1)
+    kubeflow = {"PET_MASTER_ADDR": "job-master-0", "PET_NNODES": "2", "PET_NODE_RANK": "1"}
+    assert from_environment(kubeflow) == ("job-master-0", 7001, 2, 1)
+    indexed_job = {"ZEN_RENDEZVOUS_ADDR": "job-0.svc", "ZEN_NUM_NODES": "8", "JOB_COMPLETION_INDEX": "5"}
+    assert from_environment(indexed_job) == ("job-0.svc", 7001, 8, 5)
 
 
 @pytest.mark.parametrize(("change", "expected"), [
-    ({"RANK": None}, "RANK not set"),
-    ({"MASTER_ADDR": None, "WORLD_SIZE": ""}, "MASTER_ADDR, WORLD_SIZE not set"),
-    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
-    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
-    ({"RANK": "4"}, "RANK=4 is outside [0, 4)"),
-    ({"RANK": "-1"}, "RANK=-1"),
+    ({"GROUP_RANK": None}, "ZEN_NODE_RANK / GROUP_RANK / NODE_RANK / PET_NODE_RANK / JOB_COMPLETION_INDEX (not set); "
+                           "RANK and WORLD_SIZE are set, but under torchrun they count trainer processes"),
+    ({"MASTER_ADDR": None, "GROUP_WORLD_SIZE": ""}, "ZEN_RENDEZVOUS_ADDR / MASTER_ADDR / PET_MASTER_ADDR; "
+                                                    "ZEN_NUM_NODES / GROUP_WORLD_SIZE / NNODES / PET_NNODES (not set)"),
+    ({"ZEN_RENDEZVOUS_PORT": "http"}, "ZEN_RENDEZVOUS_PORT='http' is not an integer"),
+    ({"ZEN_RENDEZVOUS_PORT": "70000"}, "ZEN_RENDEZVOUS_PORT=70000"),
+    ({"GROUP_WORLD_SIZE": "0"}, "GROUP_WORLD_SIZE=0"),
+    ({"GROUP_RANK": "4"}, "GROUP_RANK=4 is outside [0, 4)"),
+    ({"GROUP_RANK": "-1"}, "GROUP_RANK=-1"),
 ])
 def test_from_environment_errors_name_the_variable(change: dict[str, str | None], expected: str) -> None:
     env = {k: v for k, v in {**ENV, **change}.items() if v is not None}

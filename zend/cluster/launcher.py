@@ -1,11 +1,14 @@
-"""A local training job: NODES x TRAINERS ranks of a script on this machine, with torchrun's
-variables, and a zen cluster beside them when the job uses zen (the examples' --launch)."""
+"""A local training job: NODES x TRAINERS ranks of a script on this machine, one torchrun per node,
+and a zen cluster beside them when the job uses zen (the examples' --launch); `rank_env` gives the
+same variables to ranks a test starts itself."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -27,13 +30,32 @@ def rank_env(node: int, local: int, nodes: int, trainers: int, master_port: int,
     return env
 
 
+def node_env(node: int, cluster: LocalCluster | None, job: str) -> dict[str, str]:
+    """What a node's trainers get from its sidecar: where the daemon is, the job and its token."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if cluster is not None:
+        env.update({paths.SOCKET_DIR_ENV: cluster.socket_dir(node), "ZEN_JOB": job,
+                    "ZEN_JOB_TOKEN": cluster.token(job)})
+    return env
+
+
+def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int, master_port: int) -> list[str]:
+    """torchrun for node `node` of a static multi-node job on this host (node ranks as given, so
+    the trainers of node n are ranks n*K .. n*K+K-1, beside daemon n)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={trainers}",
+            f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={master_port}", "--max-restarts=0",
+            "--monitor-interval=0.2", *script]
+
+
 def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool,
                   restart_daemon_at: int | None = None) -> int:
-    """`argv` as NODES x TRAINERS ranks on this machine (with a zend cluster if `with_zen`).
+    """`argv` (a Python script and its arguments) as NODES x TRAINERS ranks on this machine: one
+    torchrun per node, as on a real cluster, each with its node's sidecar variables, beside a zend
+    cluster if `with_zen`. torchrun's static rendezvous runs multi-node on one host as well.
 
-    Returns the worst exit code; when a rank fails, the others (which would wait for it in
-    their process group) are stopped at once. With `restart_daemon_at` the cluster is elastic
-    and node 1's daemon is killed (-9) and started again when rank 0 asks (examples/common.py).
+    Returns the worst exit code; when a node's torchrun fails, the others (whose ranks would wait
+    for it in their process group) are stopped at once. With `restart_daemon_at` the cluster is
+    elastic and node 1's daemon is killed (-9) and started again when rank 0 asks (examples/common.py).
     """
     with tempfile.TemporaryDirectory(prefix=f"zen-{job}-") as tmp, contextlib.ExitStack() as stack:
         faults = restart_daemon_at is not None and with_zen and nodes > 1
@@ -42,12 +64,13 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
             if with_zen else None
         port = free_port()
         fault_env = {"ZEN_EXAMPLE_FAULT_DIR": tmp} if faults else {}
-        procs = [subprocess.Popen(list(argv), env={**os.environ, **rank_env(n, r, nodes, trainers, port, cluster, job),
-                                                   **fault_env})
-                 for n in range(nodes) for r in range(trainers)]
+        agents = [subprocess.Popen(torchrun_command(argv, n, nodes, trainers, port),
+                                   env={**os.environ, **node_env(n, cluster, job), **fault_env},
+                                   start_new_session=True)  # its own group: stopping it stops its ranks
+                  for n in range(nodes)]
         try:
-            while any(p.poll() is None for p in procs):
-                if any(p.returncode not in (None, 0) for p in procs):
+            while any(p.poll() is None for p in agents):
+                if any(p.returncode not in (None, 0) for p in agents):
                     break
                 if cluster is not None and faults and os.path.exists(os.path.join(tmp, "request")):
                     os.unlink(os.path.join(tmp, "request"))
@@ -56,8 +79,18 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
                     open(os.path.join(tmp, "done"), "w").close()
                 time.sleep(0.2)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-    return max(abs(p.returncode) for p in procs)
+            for p in agents:
+                _stop_group(p)
+    return max(abs(p.returncode) for p in agents)
+
+
+def _stop_group(agent: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the agent's process group (torchrun passes it to its ranks), SIGKILL after 10 s."""
+    if agent.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(agent.pid, signal.SIGKILL)  # ranks left behind by an agent that died first
+    agent.wait()

@@ -16,8 +16,11 @@ log = logging.getLogger("zend.daemon")
 HELP = {
     "rank": "this node's rank", "world_size": "number of nodes",
     "peers": "comma-separated data-plane URIs of every node, in rank order (tcp://HOST:PORT or ucx://HOST:PORT)",
-    "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it), or 'env' for MASTER_ADDR/MASTER_PORT/RANK/"
-                  "WORLD_SIZE",
+    "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it), or 'env': the node's rank from GROUP_RANK "
+                  "(torchrun), NODE_RANK, PET_NODE_RANK (Kubeflow) or JOB_COMPLETION_INDEX (Indexed Job / JobSet), "
+                  "the node count from GROUP_WORLD_SIZE, NNODES or PET_NNODES, the host from MASTER_ADDR, the port "
+                  "from ZEN_RENDEZVOUS_PORT (default 7001, not MASTER_PORT); ZEN_NODE_RANK, ZEN_NUM_NODES and "
+                  "ZEN_RENDEZVOUS_ADDR override",
     "elastic": "1: membership by torch's elastic rendezvous over a store that outlives the daemons (`zend store`); "
                "a restarted daemon rejoins, every node moves to a new generation",
     "min_nodes": "with --elastic 1: when a node is lost for --peer-timeout-s, go on as soon as this many nodes "

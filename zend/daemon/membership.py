@@ -28,7 +28,14 @@ from zend.transport import parse_uri
 from zend.transport.handshake import PROTOCOL_VERSION
 
 PROTOCOL_KEY = "protocol_version"
-ENV_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+# `--rendezvous env`: a per-node daemon takes node-level variables, first set wins. Never RANK /
+# WORLD_SIZE: under torchrun those are per trainer process. Never MASTER_PORT: torchrun's agent
+# (or the trainers' process group) owns it; zend's store has a port of its own.
+NODE_RANK_VARIABLES = ("ZEN_NODE_RANK", "GROUP_RANK", "NODE_RANK", "PET_NODE_RANK", "JOB_COMPLETION_INDEX")
+NODE_COUNT_VARIABLES = ("ZEN_NUM_NODES", "GROUP_WORLD_SIZE", "NNODES", "PET_NNODES")
+ADDRESS_VARIABLES = ("ZEN_RENDEZVOUS_ADDR", "MASTER_ADDR", "PET_MASTER_ADDR")
+PORT_VARIABLE = "ZEN_RENDEZVOUS_PORT"
+DEFAULT_RENDEZVOUS_PORT = 7001  # beside the data plane's 7000; not torchrun's 29400 / 29500
 POLL_S = 0.02
 
 
@@ -144,27 +151,42 @@ def static_membership(rank: int, world_size: int, peers: Sequence[str], *, clust
 
 
 def from_environment(env: Mapping[str, str]) -> tuple[str, int, int, int]:
-    """(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK) as torchrun sets them, validated."""
-    missing = [name for name in ENV_VARIABLES if not env.get(name, "").strip()]
-    if missing:
-        raise MembershipError(f"environment variable(s) {', '.join(missing)} not set; rendezvous needs all of "
-                              f"{', '.join(ENV_VARIABLES)} (as torchrun sets them)")
+    """(address, port, node count, node rank) of `--rendezvous env`, validated. Each comes from the
+    first variable of its list that is set: torchrun's node-level names (GROUP_RANK, ...), Kubeflow's
+    PET_*, an Indexed Job's JOB_COMPLETION_INDEX, or zen's own ZEN_* that override them all."""
 
-    def integer(name: str) -> int:
+    def first(names: tuple[str, ...]) -> tuple[str, str] | None:
+        for name in names:
+            if env.get(name, "").strip():
+                return name, env[name].strip()
+        return None
+
+    def integer(found: tuple[str, str]) -> int:
         try:
-            return int(env[name].strip())
+            return int(found[1])
         except ValueError:
-            raise MembershipError(f"environment variable {name}={env[name]!r} is not an integer") from None
+            raise MembershipError(f"environment variable {found[0]}={found[1]!r} is not an integer") from None
 
-    port, world_size, rank = integer("MASTER_PORT"), integer("WORLD_SIZE"), integer("RANK")
+    address, rank_var, count_var = first(ADDRESS_VARIABLES), first(NODE_RANK_VARIABLES), first(NODE_COUNT_VARIABLES)
+    missing = [" / ".join(names) for names, found in ((ADDRESS_VARIABLES, address), (NODE_RANK_VARIABLES, rank_var),
+                                                      (NODE_COUNT_VARIABLES, count_var)) if found is None]
+    if missing:
+        per_process = [n for n in ("RANK", "WORLD_SIZE") if env.get(n)]
+        hint = (f"; {' and '.join(per_process)} {'is' if len(per_process) == 1 else 'are'} set, but under torchrun "
+                "they count trainer processes, not nodes, so zend does not read them") if per_process else ""
+        raise MembershipError(f"--rendezvous env needs one of each: {'; '.join(missing)} (not set){hint}")
+    assert address is not None and rank_var is not None and count_var is not None
+    port_found = first((PORT_VARIABLE,))
+    port = integer(port_found) if port_found else DEFAULT_RENDEZVOUS_PORT
+    world_size, rank = integer(count_var), integer(rank_var)
     if not 1 <= port <= 65535:
-        raise MembershipError(f"environment variable MASTER_PORT={port} is not a port in [1, 65535]")
+        raise MembershipError(f"environment variable {PORT_VARIABLE}={port} is not a port in [1, 65535]")
     if world_size < 1:
-        raise MembershipError(f"environment variable WORLD_SIZE={world_size} must be >= 1")
+        raise MembershipError(f"environment variable {count_var[0]}={world_size} must be >= 1")
     if not 0 <= rank < world_size:
-        raise MembershipError(f"environment variable RANK={rank} is outside [0, {world_size}) for "
-                              f"WORLD_SIZE={world_size}")
-    return env["MASTER_ADDR"].strip(), port, world_size, rank
+        raise MembershipError(f"environment variable {rank_var[0]}={rank} is outside [0, {world_size}) for "
+                              f"{count_var[0]}={world_size}")
+    return address[1], port, world_size, rank
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -213,7 +235,7 @@ class _Round:
                                       f"({self.where}): {first}") from None
             raise RendezvousTimeoutError(f"rank {self.rank} could not reach the rendezvous store at {self.where}, "
                                          f"hosted by rank 0, within {self.timeout_s:g}s: rank 0 is missing "
-                                         f"(or MASTER_ADDR/MASTER_PORT are wrong): {first}") from None
+                                         f"(or the rendezvous address is wrong): {first}") from None
 
     def await_store(self) -> None:
         """Wait for rank 0's store to accept connections; TCPStore's own retries overshoot the timeout."""
@@ -225,7 +247,7 @@ class _Round:
                 if time.monotonic() >= self.deadline:
                     raise RendezvousTimeoutError(
                         f"rank {self.rank} could not reach the rendezvous store at {self.where}, hosted by rank 0, "
-                        f"within {self.timeout_s:g}s: rank 0 is missing (or MASTER_ADDR/MASTER_PORT are wrong): "
+                        f"within {self.timeout_s:g}s: rank 0 is missing (or the rendezvous address is wrong): "
                         f"{exc}") from None
             time.sleep(5 * POLL_S)
 

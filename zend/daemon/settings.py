@@ -25,11 +25,11 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    # membership: static (rank, world_size, peers) or rendezvous (MASTER_ADDR / MASTER_PORT)
+    # membership: static (rank, world_size, peers) or rendezvous (a store's host:port, or env)
     rank: int = 0
     world_size: int = 1
     peers: tuple[str, ...] = ()          # data-plane URI of every node, in rank order
-    rendezvous: str = ""                 # "host:port" of torch's TCPStore; "env" reads MASTER_ADDR/PORT
+    rendezvous: str = ""                 # "host:port" of torch's TCPStore; "env": membership.from_environment
     elastic: int = 0                     # 1: the rendezvous store outlives the daemons; a restarted one rejoins
     min_nodes: int = 0                   # (elastic) below world_size: the survivors of a lost node go on (scale-in)
     listen: str = ""                     # own data-plane URI (default: peers[rank])

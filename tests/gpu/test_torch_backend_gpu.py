@@ -1,0 +1,24 @@
+"""The "zen" torch.distributed backend on CUDA tensors: runs only where a GPU is present (skipped in CI).
+
+Sparse all_reduce of CUDA tensors through daemons with GPU buffers (CUDA IPC), the dense ops on the
+inner NCCL group, and zen's time against gloo's host-staged sparse all_reduce (printed, for the note).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.client.test_client import ROOT, launch_ranks
+from tests.daemon.conftest import fresh_cluster  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_cuda_sparse_all_reduce_on_the_zen_backend_equals_the_reference(fresh_cluster, nodes: int) -> None:  # noqa: F811
+    c = fresh_cluster(nodes, extra=["--log-format", "text"])
+    outs = launch_ranks(c, [str(ROOT / "tests/client/backend_worker.py"), "cuda_sparse"], f"cuda{nodes}",
+                        timeout_s=300)
+    assert all(out.strip().endswith("OK") for out in outs), outs
+    print("\n".join(line for line in outs[0].splitlines() if line.startswith("CUDA_SPARSE")))
