@@ -99,7 +99,7 @@ def step_surviving_faults(run: Callable[[], torch.Tensor], client: Any, hook: An
             try:
                 if isinstance(exc, zen.ZenError):
                     raise
-                hook.reraise()
+                hook.reraise(exc)
                 raise
             except (zen.StepAborted, zen.DaemonUnavailable) as fault:  # redo the step
                 print(f"rank {os.environ.get('RANK', '?')}: {type(fault).__name__}: {fault}; waiting for the "

@@ -41,20 +41,21 @@ class HookState:
             raise ValueError(f"topk_ratio={self.topk_ratio} must be in (0, 1]")
         self._param_names = {id(p): n for n, p in self.model.named_parameters()}
 
-    def reraise(self) -> None:
-        """Raise the typed zen error (e.g. `zen.StepAborted`) that failed the last backward, if any.
+    def reraise(self, cause: BaseException | None = None) -> None:
+        """Raise the typed zen error (e.g. `zen.StepAborted`) that failed the last backward, if any
+        (given DDP's RuntimeError as `cause`: only if it is that error's; a stale one is dropped).
 
         DDP hands a hook's failure to `backward()` as a RuntimeError; the training loop gets the
         typed one back with:
 
             try:
                 loss.backward()
-            except RuntimeError:
-                state.reraise()  # zen.StepAborted, ...: redo the step from the same state
-                raise            # not zen's
+            except RuntimeError as exc:
+                state.reraise(exc)  # zen.StepAborted, ...: redo the step from the same state
+                raise               # not zen's
         """
         error, self.error = self.error, None
-        if error is not None:
+        if error is not None and (cause is None or str(error) in str(cause)):
             raise error
 
     def bucket_name(self, bucket: dist.GradBucket) -> str:

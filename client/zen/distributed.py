@@ -20,13 +20,14 @@ What each op does:
 
 Tensor identity. zen synchronises named tensors, each with its own step counter. A sparse
 all_reduce is named after its group, its `zen.distributed.name(tensor, "emb")` hint if it has one,
-and otherwise its shape, dtype, op and device type; its step is the number of earlier calls of that
-name. So, as with every torch backend, ranks must make the same calls in the same order; the
-backend checks it (a 128-byte allgather on the inner group beside every zen step) and fails the
-call with `zen.OutOfOrder` naming both ranks' calls when they differ. The group is unusable after.
+and otherwise its shape, dtype and device type; and its op. Its step is the number of earlier calls
+of that name. So, as with every torch backend, ranks must make the same calls in the same order;
+the backend compares the ranks' zen calls (a 128-byte allgather on the inner gloo group beside
+every zen step) and fails the call with `zen.OutOfOrder` naming both when they differ. The group
+is unusable after.
 
 Errors: `work.wait()` raises zen's typed errors (`zen.StepAborted`, `zen.DaemonUnavailable`, ...);
-under DDP, `backward()` gets them as RuntimeError and `zen.distributed.reraise()` gives the typed one.
+under DDP, `backward()` gets them as RuntimeError and `zen.distributed.reraise(exc)` gives the typed one.
 """
 
 from __future__ import annotations
@@ -65,12 +66,16 @@ from torch.profiler import record_function
 from zen.client import Client, StepStats
 from zen.errors import OutOfOrder, StepAborted, StepTimeout, ZenError
 from zend.core import dtypes
+from zend.core.topk import TopKCompressor
 
 BACKEND_NAME = "zen"
 DENSE_MODES = ("inner", "ring", "topk")
 DENSE_ENV = "ZEN_DENSE_ALLREDUCE"
 _HINT = "_zen_name"
 _CHECK_BYTES = 128  # per call: a 16-byte digest of the call's name, then the name itself, cut to fit
+MAX_ROWS = 2**31  # what a zen tensor may have (zend.core.sparse); bigger ones go through gloo
+MAX_RESIDUALS = 256  # top-k error-feedback residuals kept (one per tensor storage), oldest dropped first
+_UNSET = object()
 _log = logging.getLogger("zen.distributed")
 
 
@@ -81,7 +86,18 @@ class Options:
     dense: str | None = None  # "inner" (gloo/NCCL, the default), "ring" or "topk": dense SUM/AVG via zend
     topk_ratio: float = 0.01  # with dense="topk": the share of values sent, with error feedback
     check_order: bool = True  # compare every rank's call before trusting a zen step's identity
+    cuda_inner: str | None = None  # dense CUDA collectives: "nccl" (default where available) or "gloo"
     client: Client | None = None  # default: one zen.Client per process, from the sidecar's environment
+
+    def inner_for_cuda(self) -> str | None:
+        """The backend of the inner group for CUDA tensors; None without CUDA."""
+        if self.cuda_inner not in (None, "nccl", "gloo"):
+            raise ValueError(f"Options.cuda_inner={self.cuda_inner!r}: choose 'nccl' or 'gloo'")
+        if not torch.cuda.is_available():
+            return None
+        if self.cuda_inner == "nccl" and not dist.is_nccl_available():
+            raise ValueError("Options.cuda_inner='nccl': this torch has no NCCL")
+        return self.cuda_inner or ("nccl" if dist.is_nccl_available() else "gloo")
 
     def dense_mode(self) -> str:
         mode = self.dense or os.environ.get(DENSE_ENV, "inner")
@@ -146,6 +162,20 @@ def _value(done: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]
     return done.value()
 
 
+def _set_once(future: torch.futures.Future[None]) -> None:
+    with contextlib.suppress(RuntimeError):  # already set (an abort moved the lane on)
+        future.set_result(None)
+
+
+def _record_event(device: torch.device | None) -> Any:
+    """A CUDA event on the caller's current stream (the inputs are written once it has passed)."""
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def _done_within(future: torch.futures.Future[Any], seconds: float) -> bool:
     event = threading.Event()
     future.add_done_callback(lambda _: event.set())
@@ -182,6 +212,83 @@ _SHARED = _SharedClient()
 
 
 # ---------------------------------------------------------------------------------------- the group
+class _Call:
+    """One collective through zend: its zen step (on a pool thread, behind the previous step of its
+    name) and its order check (on the inner gloo group). The work completes when both have; it fails
+    with the zen step's typed error, or with OutOfOrder as soon as the check finds one; a check that
+    itself fails (gloo lost a peer) yields to the zen step's own error, which comes too."""
+
+    def __init__(self, group: ZenProcessGroup, zen_name: str, compute: Callable[[], Any],
+                 deliver: Callable[[Any], list[torch.Tensor]], device: torch.device | None, checked: bool):
+        self.group, self.zen_name, self.compute, self.deliver = group, zen_name, compute, deliver
+        self.device = device  # CUDA: the caller's stream is waited on before, and synchronised after
+        self.ready = _record_event(device)
+        self.result: torch.futures.Future[Any] = torch.futures.Future()
+        self.lane: torch.futures.Future[None] = torch.futures.Future()  # set once the zen step is over
+        self.lock = threading.Lock()
+        self.checked = checked
+        self.output: Any = _UNSET
+        self.check_error: BaseException | None = None
+
+    def run(self) -> None:
+        """On a pool thread: the zen step, then the lane moves on."""
+        try:
+            if self.ready is not None:
+                self.ready.synchronize()  # the caller's stream has written the inputs
+            self.computed(self.compute())
+        except BaseException as exc:
+            self.fail(exc)
+        finally:
+            _set_once(self.lane)
+
+    def computed(self, output: Any) -> None:
+        with self.lock:
+            if self.result.done():  # aborted, or OutOfOrder: the user's tensors are no longer ours
+                return
+            self.output = output
+            if self.check_error is not None:
+                self._fail_locked(self.check_error)
+            elif self.checked:
+                self._deliver_locked()
+
+    def check_passed(self) -> None:
+        with self.lock:
+            if self.result.done():
+                return
+            self.checked = True
+            if self.output is not _UNSET:
+                self._deliver_locked()
+
+    def check_failed(self, error: BaseException, definitive: bool) -> None:
+        with self.lock:
+            if self.result.done():
+                return
+            if definitive or self.output is not _UNSET:
+                self._fail_locked(error)
+            else:
+                self.check_error = error
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if not self.result.done():
+                self._fail_locked(error)
+
+    def _deliver_locked(self) -> None:
+        try:
+            value = self.deliver(self.output)  # the sum into the caller's tensors (torch's in-place contract)
+            if self.device is not None:
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException as exc:
+            self._fail_locked(exc)
+            return
+        self.result.set_result(value)
+        self.group._call_done(self, None)
+
+    def _fail_locked(self, error: BaseException) -> None:
+        self.result.set_exception(error)
+        self.group._call_done(self, error)
+
+
 class ZenProcessGroup(ProcessGroup):
     """What `init_process_group("zen")` and `new_group(backend="zen")` create (see the module docstring)."""
 
@@ -194,9 +301,9 @@ class ZenProcessGroup(ProcessGroup):
         self.group_id = group_id
         self.prefix = f"pg{group_id}."
         self._gloo: Any = dist.ProcessGroupGloo(  # Any: torch's stubs lack the Backend's collectives
-PrefixStore("zen/gloo", store), rank, size, timeout)
+            PrefixStore("zen/gloo", store), rank, size, timeout)
         self._nccl: Any = None
-        if torch.cuda.is_available() and dist.is_nccl_available():  # lazy: NCCL connects at the first CUDA op
+        if self.options.inner_for_cuda() == "nccl":  # lazy: NCCL connects at the first CUDA op
             nccl_options = dist.ProcessGroupNCCL.Options()
             nccl_options._timeout = timeout
             self._nccl = dist.ProcessGroupNCCL(PrefixStore("zen/nccl", store), rank, size, nccl_options)
@@ -205,6 +312,8 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, self._gloo)
         if self._nccl is not None:
             self._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, self._nccl)
+        elif torch.cuda.is_available():
+            self._register_backend(torch.device("cuda"), ProcessGroup.BackendType.GLOO, self._gloo)
         self._owns_client = self.options.client is None
         client = self.options.client or _SHARED.acquire(timeout.total_seconds())
         self.client: Client = client
@@ -217,12 +326,13 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
                            "one zend per node and set LOCAL_WORLD_SIZE to the trainers per node")
         self.error: BaseException | None = None  # the last zen error, for reraise() after DDP's RuntimeError
         self._lock = threading.Lock()
-        self._tails: dict[str, torch.futures.Future[Any]] = {}  # per zen name: the last step queued
+        self._tails: dict[str, _Call] = {}  # per zen name: its last call (the next one starts after it)
+        self._pending: set[_Call] = set()  # every call not done yet (abort fails them)
         self._calls = 0
         self._names: set[str] = set()
         self._warned: set[str] = set()
+        self._topk = TopKCompressor(self.options.topk_ratio)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"zen-pg{group_id}")
-        self._pending: set[Callable[..., None]] = set()  # settle() of every work not done yet (abort fails them)
         self._closed = False
 
     def getBackendName(self) -> str:
@@ -256,110 +366,101 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
         average = op == ReduceOp.AVG
         if not self._zen_carries(first, "sparse all_reduce"):
             return self._sparse_on_gloo(tensors, average)
-        self._check_open()
-        identity = getattr(first, _HINT, None) or _signature(first, average)
-        zen_name = self.prefix + identity
+        zen_name = self.prefix + _identity(first, average)
         local = first if len(tensors) == 1 else _sum_sparse(tensors)
         rows, values, num_rows = _linearise(local)
-        with record_function(f"zen.all_reduce[{zen_name}]"):
-            return self._submit(zen_name, tensors, lambda: self._finish_sparse(
-                self.client.allreduce((rows, values), name=zen_name, num_rows=num_rows, average=average,
-                                      timeout_s=self.timeout.total_seconds()), first, tensors))
 
-    @staticmethod
-    def _finish_sparse(result: tuple[torch.Tensor, torch.Tensor], like: torch.Tensor,
-                       tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        rows, values = result
-        total = torch.sparse_coo_tensor(_delinearise(rows, like), values.to(like.dtype), like.shape,
-                                        is_coalesced=True, check_invariants=False)  # rows: checked by the daemon
-        for t in tensors:
-            t.copy_(total)  # torch's in-place contract: inputs hold the sum
-        return tensors
+        def deliver(result: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+            out_rows, out_values = result
+            total = torch.sparse_coo_tensor(_delinearise(out_rows, first), out_values.to(first.dtype), first.shape,
+                                            is_coalesced=True, check_invariants=False)  # rows: checked by the daemon
+            for t in tensors:
+                t.copy_(total)
+            return tensors
+
+        with record_function(f"zen.all_reduce[{zen_name}]"):
+            return self._submit(zen_name, lambda: self.client.allreduce(
+                (rows, values), name=zen_name, num_rows=num_rows, average=average,
+                timeout_s=self.timeout.total_seconds()), deliver, first)
 
     def _dense_via_zen(self, tensors: list[torch.Tensor], op: Any) -> dist.Work:
-        self._check_open()
         first = tensors[0]
         average = op == ReduceOp.AVG
         local = first if len(tensors) == 1 else torch.stack(list(tensors)).sum(0)
         kind = f"topk{self.options.topk_ratio:g}" if self.dense == "topk" else "dense"
-        zen_name = self.prefix + (getattr(first, _HINT, None) or f"{kind}[{_shape(first)}].{_dtype(first)}"
-                                  f".{'avg' if average else 'sum'}.{first.device.type}")
-        topk = self.options.topk_ratio if self.dense == "topk" else None
+        zen_name = self.prefix + _identity(first, average, kind)
+        if self.dense == "topk":
+            # error feedback is this rank's own: one residual per tensor storage, so DDP's buckets
+            # (persistent buffers) each keep theirs even when two have one shape, and so one name
+            residual_key = f"{zen_name}@{first.untyped_storage().data_ptr():x}+{first.storage_offset()}"
+            sent = self._topk.compress(residual_key, local)
+            _bound(self._topk.residuals, MAX_RESIDUALS)
+            numel = first.numel()
 
-        def run() -> list[torch.Tensor]:
-            out = self.client.allreduce(local, name=zen_name, average=average,
-                                        timeout_s=self.timeout.total_seconds(), topk=topk)
-            for t in tensors:
-                t.copy_(out)
-            return tensors
+            def compute() -> Any:
+                return self.client.allreduce((sent.indices, sent.values), name=zen_name, num_rows=numel,
+                                             average=average, timeout_s=self.timeout.total_seconds())
+
+            def deliver(result: Any) -> list[torch.Tensor]:
+                rows, values = result
+                dense = torch.zeros(numel, dtype=first.dtype, device=first.device)
+                dense[rows] = values.to(first.dtype)
+                for t in tensors:
+                    t.copy_(dense.reshape(t.shape))
+                return tensors
+        else:
+            def compute() -> Any:
+                return self.client.allreduce(local, name=zen_name, average=average,
+                                             timeout_s=self.timeout.total_seconds())
+
+            def deliver(result: Any) -> list[torch.Tensor]:
+                for t in tensors:
+                    t.copy_(result)
+                return tensors
 
         with record_function(f"zen.all_reduce[{zen_name}]"):
-            return self._submit(zen_name, tensors, run)
+            return self._submit(zen_name, compute, deliver, first)
 
-    def _submit(self, zen_name: str, tensors: list[torch.Tensor],
-                run: Callable[[], list[torch.Tensor]]) -> ZenWork:
+    def _submit(self, zen_name: str, compute: Callable[[], Any], deliver: Callable[[Any], list[torch.Tensor]],
+                like: torch.Tensor) -> ZenWork:
         """Queue one zen step of `zen_name` behind the previous one (a name has one step in flight),
-        beside the order check of this call; the work fails with whichever fails first."""
-        result: torch.futures.Future[Any] = torch.futures.Future()
-        lock = threading.Lock()
-        state: dict[str, Any] = {"checked": not self._needs_check(), "value": None}
-
-        def settle(value: list[torch.Tensor] | None = None, error: BaseException | None = None,
-                   checked: bool = False) -> None:
-            with lock:
-                if result.done():
-                    return
-                if error is not None:
-                    self.error = error
-                    result.set_exception(error)
-                else:
-                    state["checked"] = state["checked"] or checked
-                    if value is not None:
-                        state["value"] = value
-                    if not (state["checked"] and state["value"] is not None):
-                        return
-                    result.set_result(state["value"])
-            with self._lock:
-                self._pending.discard(settle)
-
+        with the order check of this call beside it."""
+        check = self.options.check_order and self.size() > 1
+        call = _Call(self, zen_name, compute, deliver, like.device if like.is_cuda else None, checked=not check)
         with self._lock:
-            self._pending.add(settle)
+            if self._closed:
+                raise ZenError(f"zen process group {self.group_id} is shut down")
             seq = self._calls
             self._calls += 1
             self._names.add(zen_name)
+            self._pending.add(call)
             previous = self._tails.get(zen_name)
-            done: torch.futures.Future[None] = torch.futures.Future()
-            self._tails[zen_name] = done
-
-        def step() -> None:
-            try:
-                settle(run())
-            except BaseException as exc:
-                settle(error=exc)
-            finally:
-                done.set_result(None)
+            self._tails[zen_name] = call
+        if check:
+            self._check_order(seq, call)
 
         def start(_: Any = None) -> None:
             try:
-                self._pool.submit(step)
-            except RuntimeError as exc:  # the pool shut down while this step waited for its turn
-                settle(error=ZenError(f"zen process group {self.group_id} shut down before {zen_name!r} ran: {exc}"))
-                done.set_result(None)
+                self._pool.submit(call.run)
+            except RuntimeError:  # the pool shut down (abort) while this call waited for its turn
+                call.fail(StepAborted(f"zen process group {self.group_id} aborted before {zen_name!r} ran [ABORTED]"))
+                _set_once(call.lane)
 
-        if self._needs_check():
-            self._check_order(seq, zen_name, settle)
         if previous is None:
             start()
         else:
-            previous.add_done_callback(start)
-        return ZenWork(result)
+            previous.lane.add_done_callback(start)
+        return ZenWork(call.result)
 
-    def _needs_check(self) -> bool:
-        return self.options.check_order and self.size() > 1
+    def _call_done(self, call: _Call, error: BaseException | None) -> None:
+        with self._lock:
+            self._pending.discard(call)
+            if error is not None:
+                self.error = error
 
-    def _check_order(self, seq: int, zen_name: str, settle: Callable[..., None]) -> None:
+    def _check_order(self, seq: int, call: _Call) -> None:
         """Every rank's name for call `seq`, gathered on the inner gloo group beside the zen step."""
-        mine = _call_record(zen_name)
+        mine = _call_record(call.zen_name)
         gathered = [torch.empty(_CHECK_BYTES, dtype=torch.uint8) for _ in range(self.size())]
         future = self._gloo.allgather([gathered], [mine]).get_future()
 
@@ -367,17 +468,18 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
             try:
                 future.wait()
             except BaseException as exc:
-                settle(error=ZenError(f"zen order check of call {seq} ({zen_name!r}) failed on the gloo group: {exc}"))
+                call.check_failed(ZenError(f"zen order check of call {seq} ({call.zen_name!r}) failed on the gloo "
+                                           f"group: {exc}"), definitive=False)
                 return
             for rank, record in enumerate(gathered):
                 if not torch.equal(record[:16], mine[:16]):
-                    settle(error=OutOfOrder(
-                        f"zen sparse all_reduce call {seq} of process group {self.group_id}: rank {self.rank()} "
-                        f"called it for {zen_name!r}, rank {rank} for {_call_text(record)!r}; every rank must make "
-                        "the same all_reduce calls in the same order (name a tensor with zen.distributed.name). "
-                        "This group is unusable now: destroy it"))
+                    call.check_failed(OutOfOrder(
+                        f"zen all_reduce call {seq} of process group {self.group_id}: rank {self.rank()} called it "
+                        f"for {call.zen_name!r}, rank {rank} for {_call_text(record)!r}; every rank must make the "
+                        "same all_reduce calls in the same order (name a tensor with zen.distributed.name). This "
+                        "group is unusable now: destroy it"), definitive=True)
                     return
-            settle(checked=True)
+            call.check_passed()
 
         future.add_done_callback(compare)
 
@@ -387,6 +489,11 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
             self._warn_once(f"dtype {tensor.dtype}", f"{what} of {tensor.dtype} tensors goes through gloo: zen "
                             f"carries {', '.join(dtypes.NAMES)}")
             return False
+        rows = math.prod(tensor.shape[:tensor.sparse_dim()]) if tensor.is_sparse else tensor.numel()
+        if rows >= MAX_ROWS:
+            self._warn_once(f"rows {rows}", f"{what} of {_describe(tensor)} goes through gloo: its {rows} rows "
+                            f"(sparse dims folded) exceed zen's {MAX_ROWS}")
+            return False
         if not self.whole_job:
             self._warn_once("subgroup", f"{what} in process group {self.group_id} ({self.size()} of the job's "
                             f"{self.client.world_size} trainers) goes through gloo: zen sums over the whole job")
@@ -394,16 +501,18 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
         return True
 
     def _sparse_on_gloo(self, tensors: list[torch.Tensor], average: bool) -> dist.Work:
-        work = self._gloo.allreduce(tensors, _allreduce_options(None))
+        """gloo's sparse all_reduce (an allgather; CUDA tensors staged through the host); gloo has no
+        AVG, so the sum is divided here, in the inputs, which gloo's future returns."""
+        work = self._gloo.allreduce(tensors, AllreduceOptions())
         if not average:
             return work
         size = self.size()
 
         def divide(done: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
-            outputs = done.value()
+            done.value()  # raises gloo's error, if any
             for t in tensors:
                 t.copy_(t / size)
-            return [o / size for o in outputs]
+            return tensors
 
         return ZenWork(work.get_future().then(divide))
 
@@ -414,15 +523,9 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
 
     def _inner(self, tensors: Sequence[Any]) -> Any:
         first = _first_tensor(tensors)
-        if first is not None and first.is_cuda:
-            if self._nccl is None:
-                raise RuntimeError("zen: a CUDA tensor, but NCCL is not available for the inner group")
+        if first is not None and first.is_cuda and self._nccl is not None:
             return self._nccl
         return self._gloo
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ZenError(f"zen process group {self.group_id} is shut down")
 
     # ------------------------------------------------------------------ every other collective: the inner group
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -489,10 +592,12 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
         return self._inner(tensors).recv_anysource(tensors, tag)
 
     # ------------------------------------------------------------------ what zen adds
-    def reraise(self) -> None:
-        """Raise the zen error that failed the last failed call (see zen.distributed.reraise), once."""
-        error, self.error = self.error, None
-        if error is not None:
+    def reraise(self, cause: BaseException | None = None) -> None:
+        """Raise the zen error that failed the last failed call (see zen.distributed.reraise), once;
+        given the RuntimeError that DDP raised, only if that is the zen error's (a stale one is dropped)."""
+        with self._lock:
+            error, self.error = self.error, None
+        if error is not None and (cause is None or str(error) in str(cause)):
             raise error
 
     def last_stats(self) -> dict[str, StepStats]:
@@ -515,10 +620,16 @@ PrefixStore("zen/gloo", store), rank, size, timeout)
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            pending = list(self._pending) if not wait else []
-        for settle in pending:
-            settle(error=StepAborted(f"zen process group {self.group_id} aborted (ProcessGroup.abort) [ABORTED]"))
+            self._closed = True  # no new calls from here on
+            pending, tails = list(self._pending), list(self._tails.values())
+        if wait:  # every lane to its end: the steps queued behind others run too
+            for call in tails:
+                call.lane.wait()
+        else:
+            for call in pending:
+                call.fail(StepAborted(f"zen process group {self.group_id} aborted (ProcessGroup.abort) [ABORTED]"))
+            for call in tails:  # lanes whose steps the pool drops: the calls behind them see the abort
+                _set_once(call.lane)
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
         for inner in (self._gloo, self._nccl):
             if inner is not None and hasattr(inner, "shutdown"):
@@ -560,9 +671,21 @@ def _describe(t: torch.Tensor) -> str:
     return f"[{_shape(t)}] {_dtype(t)} on {t.device}"
 
 
-def _signature(t: torch.Tensor, average: bool, sparse_dim: int | None = None) -> str:
-    dims = t.sparse_dim() if sparse_dim is None else sparse_dim
-    return f"sparse{dims}[{_shape(t)}].{_dtype(t)}.{'avg' if average else 'sum'}.{t.device.type}"
+def _identity(t: torch.Tensor, average: bool, kind: str | None = None, sparse_dim: int | None = None) -> str:
+    """The zen tensor a call synchronises (the group's prefix aside): the hint, or the call's kind,
+    shape, dtype and device; and the op, which a zen tensor fixes when it is registered."""
+    op = "avg" if average else "sum"
+    hint = getattr(t, _HINT, None)
+    if hint is not None:
+        return f"{hint}.{op}"
+    if kind is None:
+        kind = f"sparse{t.sparse_dim() if sparse_dim is None else sparse_dim}"
+    return f"{kind}[{_shape(t)}].{_dtype(t)}.{op}.{t.device.type}"
+
+
+def _bound(table: dict[str, Any], limit: int) -> None:
+    while len(table) > limit:
+        del table[next(iter(table))]  # the oldest: dicts keep insertion order
 
 
 def _sum_sparse(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -645,23 +768,21 @@ def _group(group: ProcessGroup | None) -> ZenProcessGroup:
 def sparse_name(like: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> str:
     """The zen tensor name of a sparse all_reduce of a gradient shaped like `like` (a parameter, say:
     DDP reduces with SUM), for `client_of().last_stats(name)`."""
-    pg = _group(group)
-    hint = getattr(like, _HINT, None)
     sparse_dim = like.sparse_dim() if like.is_sparse else 1
-    return pg.prefix + (hint or _signature(like, _op_type(op) == ReduceOp.AVG, sparse_dim))
+    return _group(group).prefix + _identity(like, _op_type(op) == ReduceOp.AVG, sparse_dim=sparse_dim)
 
 
-def reraise(group: ProcessGroup | None = None) -> None:
+def reraise(cause: BaseException | None = None, group: ProcessGroup | None = None) -> None:
     """Under DDP a failed sparse bucket reaches `backward()` as a RuntimeError; this raises the typed
     zen error behind it (e.g. zen.StepAborted: wait for the cluster, then redo the step), if any:
 
         try:
             loss.backward()
-        except RuntimeError:
-            zen.distributed.reraise()
+        except RuntimeError as exc:
+            zen.distributed.reraise(exc)   # only if exc is that zen error's
             raise
     """
-    _group(group).reraise()
+    _group(group).reraise(cause)
 
 
 def client_of(group: ProcessGroup | None = None) -> Client:

@@ -49,13 +49,18 @@ def torch_sparse_suite(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
     t = torch.sparse_coo_tensor([[rank]], torch.ones(1, dtype=torch.float64), (world,))
     dist.all_reduce(t)
     assert torch.equal(t.to_dense(), torch.ones(world, dtype=torch.float64)), t
+    t = torch.sparse_coo_tensor([[0]], torch.ones(1, dtype=torch.float64), (world,))
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)  # gloo has no AVG: divided once, in place
+    work.wait()
+    for got in (t, work.result()[0]):
+        assert got.to_dense()[0].item() == 1.0, got
     # a hint names the tensor: the same shape under two names, two zen tensors
     for hint in ("a", "b"):
         t = zen.distributed.name(torch.sparse_coo_tensor([[0]], torch.ones(1), (3,)), hint)
         dist.all_reduce(t)
         assert t.to_dense()[0].item() == world
     names = set(zen.distributed._group(None).last_stats())
-    assert {"pg0.a", "pg0.b"} <= names, names
+    assert {"pg0.a.sum", "pg0.b.sum"} <= names, names
 
 
 def dense_ops(rank: int, world: int) -> None:
@@ -111,9 +116,9 @@ class Sparse(nn.Module):
         return self.out(self.emb(ids) + 0.5 * self.emb2(ids % 7)).pow(2).mean()
 
 
-def ddp_matches_gloo(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
+def ddp_matches_gloo(rank: int, world: int, gloo: dist.ProcessGroup, models: tuple[type, ...] = ()) -> None:
     """The same model under DDP on the zen backend and on a plain gloo group: the same parameters."""
-    for make in (Dense, Sparse):
+    for make in models or (Dense, Sparse):
         torch.manual_seed(0)
         ours, theirs = make(), make()
         theirs.load_state_dict(ours.state_dict())
@@ -129,8 +134,11 @@ def ddp_matches_gloo(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
                 opt.step()
         for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (make.__name__, n, (p - q).abs().max())
+    names = set(zen.distributed._group(None).last_stats())
     if make is Sparse:
-        assert zen.distributed._group(None).last_stats(), "no sparse bucket went through zend"
+        assert any(".sparse1[" in n for n in names), f"no sparse bucket went through zend: {names}"
+    dense_via_zen = any(n.startswith(("pg0.dense[", "pg0.topk")) for n in names)
+    assert dense_via_zen == (os.environ.get("ZEN_DENSE_ALLREDUCE", "inner") != "inner"), names
 
 
 def out_of_order(rank: int, world: int) -> None:
@@ -213,7 +221,9 @@ def main() -> None:
     scenario = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group(os.environ.get("ZEN_TEST_BACKEND", "zen"), rank=rank, world_size=world)
+    options = zen.distributed.Options(topk_ratio=1.0)  # top-k of every value: the exact sum, through zend
+    dist.init_process_group(os.environ.get("ZEN_TEST_BACKEND", "zen"), rank=rank, world_size=world,
+                            pg_options=options)
     assert isinstance(dist.distributed_c10d._get_default_group(), zen.distributed.ZenProcessGroup)
     if scenario in ("daemon_lost", "out_of_order"):
         {"daemon_lost": daemon_lost, "out_of_order": out_of_order}[scenario](rank, world)
@@ -223,6 +233,8 @@ def main() -> None:
         dense_ops(rank, world)
     elif scenario == "ddp":
         ddp_matches_gloo(rank, world, gloo)
+    elif scenario == "ddp_dense":  # ZEN_DENSE_ALLREDUCE=ring|topk: dense buckets through zend too
+        ddp_matches_gloo(rank, world, gloo, (Dense,))
     elif scenario == "cuda_sparse":
         cuda_sparse(rank, world, gloo)
     else:

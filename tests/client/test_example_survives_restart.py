@@ -44,3 +44,42 @@ def test_the_training_loop_redoes_the_aborted_step_and_its_losses_match_a_run_wi
     assert len(plain) == len(faulty) == 8
     for step, (a, b) in enumerate(zip(faulty, plain, strict=True)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: {a} with the restart, {b} without"
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def test_a_sigterm_to_the_launcher_stops_every_agent_rank_and_daemon() -> None:
+    """The agents run in sessions of their own; a `timeout` or a cancelled job must not orphan them."""
+    import glob
+    import time
+
+    before = set(glob.glob("/tmp/zen-gpt-*"))
+    launcher = subprocess.Popen([sys.executable, str(ROOT / "examples/gpt_sparse.py"), *ARGS, "--steps", "100000",
+                                 "--seed", "424242"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                cwd=ROOT)
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()  # the first step: every part is up
+        assert "loss" in line, line
+        tmp = (set(glob.glob("/tmp/zen-gpt-*")) - before).pop()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) != 0
+        deadline = time.monotonic() + 15
+        while (left := _processes_mentioning("424242") + _processes_mentioning(tmp)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, left
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

@@ -56,6 +56,15 @@ def test_ddp_on_the_zen_backend_trains_as_ddp_on_gloo(clusters) -> None:
     assert all(out.strip().endswith("OK") for out in outs), outs
 
 
+@pytest.mark.parametrize("mode", ["ring", "topk"])
+def test_dense_buckets_through_zend_when_asked_train_as_gloo(clusters, mode: str) -> None:
+    """ZEN_DENSE_ALLREDUCE=ring|topk (top-k of all values here): DDP's dense buckets go through
+    the daemons too, and the parameters still equal DDP on gloo."""
+    outs = launch_ranks(clusters(2), [WORKER, "ddp_dense"], f"dense-{mode}", per_node=2, timeout_s=240,
+                        env={"ZEN_DENSE_ALLREDUCE": mode})
+    assert all(out.strip().endswith("OK") for out in outs), outs
+
+
 def test_ranks_calling_in_different_orders_get_out_of_order_naming_both_calls(clusters) -> None:
     outs = launch_ranks(clusters(2), [WORKER, "out_of_order"], "order", per_node=1, timeout_s=120)
     assert all("OUT_OF_ORDER_OK" in out for out in outs), outs
@@ -223,3 +232,61 @@ def test_abort_fails_running_and_queued_work_with_step_aborted_at_once() -> None
     with pytest.raises(zen.ZenError, match="shut down"):
         pg.allreduce([_sparse([3])])
     client.release.set()
+
+
+def test_shutdown_waits_for_the_steps_queued_behind_others() -> None:
+    import threading
+
+    client = _BlockingClient()
+    pg = _fake_group(client)
+    first, second = pg.allreduce([_sparse([1])]), pg.allreduce([_sparse([2])])  # one name: second queued
+    threading.Timer(0.3, client.release.set).start()
+    pg.shutdown()  # returns once both ran
+    assert first.wait() and second.wait() and len(client.ran) == 2
+
+
+def test_reraise_gives_the_typed_error_behind_ddps_runtime_error_and_drops_a_stale_one() -> None:
+    client = _BlockingClient()
+    pg = _fake_group(client)
+    pg.error = zen.StepAborted("step 3 of tensor 'e' aborted: node 1 lost [ABORTED]")
+    with pytest.raises(zen.StepAborted):
+        pg.reraise(RuntimeError("Got the following error when running the callback: StepAborted: step 3 of tensor "
+                                "'e' aborted: node 1 lost [ABORTED]"))
+    pg.error = zen.StepAborted("step 3 of tensor 'e' aborted [ABORTED]")
+    pg.reraise(RuntimeError("CUDA out of memory"))  # not zen's: nothing raised, and the stale error is gone
+    assert pg.error is None
+    pg.shutdown()
+
+
+def test_dense_topk_keeps_one_residual_per_tensor_storage_under_one_name() -> None:
+    client = _BlockingClient()
+    client.release.set()
+    pg = zd.ZenProcessGroup(dist.HashStore(), 0, 1, timedelta(seconds=30), "8",
+                            zd.Options(dense="topk", topk_ratio=0.5, client=client))  # type: ignore[arg-type]
+    a, b = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([10.0, 0.0, 0.0, 0.0])
+    pg.allreduce([a]).wait()
+    assert a.tolist() == [0.0, 0.0, 3.0, 4.0]  # 1 and 2 carried over in a's residual
+    pg.allreduce([b]).wait()
+    assert b.tolist() == [10.0, 0.0, 0.0, 0.0]  # a's residual is not b's, though one zen name serves both
+    a.copy_(torch.ones(4))
+    pg.allreduce([a]).wait()
+    assert a.tolist() == [2.0, 3.0, 0.0, 0.0]
+    assert set(client.ran) == {"pg8.topk0.5[4].float32.sum.cpu"}
+    pg.shutdown()
+
+
+def test_sparse_tensors_zen_cannot_carry_go_through_gloo_with_the_same_sum() -> None:
+    client = _BlockingClient()
+    pg = _fake_group(client)
+    huge = torch.sparse_coo_tensor([[70_000, 3], [5, 70_000]], torch.ones(2), (2**16 + 10, 2**16 + 10))  # 2^32 rows
+    wide = torch.sparse_coo_tensor([[1]], torch.ones(1, dtype=torch.float64), (4,))
+    for t, op in ((huge, dist.ReduceOp.SUM), (wide, dist.ReduceOp.AVG)):
+        want = t.coalesce()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        work = pg.allreduce([t], opts)
+        work.wait()
+        for got in (t.coalesce(), work.result()[0].coalesce()):  # a world of one: the input itself, once
+            assert torch.equal(got.indices(), want.indices()) and torch.equal(got.values(), want.values())
+    assert client.ran == []
+    pg.shutdown()

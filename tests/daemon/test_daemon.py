@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from tests.daemon.conftest import run_all, status_code
 from zend.api.zen.v1 import zen_pb2 as pb
+from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
 
@@ -374,6 +376,37 @@ def test_rendezvous_through_torch_tcpstore(fresh_cluster):
     run = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir", c.socket_dir(2)],
                          capture_output=True, text=True, timeout=60)
     assert '"membership": "rendezvous tcpstore://127.0.0.1:' in run.stdout and '"generation": "1"' in run.stdout
+
+
+class TorchrunEnvCluster(LocalCluster):
+    """Daemons started with `--rendezvous env` in the environment a torchrun job's node has: node-level
+    GROUP_RANK / GROUP_WORLD_SIZE, and per-process RANK / WORLD_SIZE / MASTER_PORT that zend must ignore."""
+
+    def __init__(self, nodes: int, workdir: Path, **kwargs: Any):
+        super().__init__(nodes, workdir, rendezvous=True, **kwargs)
+        self.port = self.store.rpartition(":")[2]
+        self.base_env = dict(self.env)
+
+    def argv(self, node: int) -> list[str]:
+        argv = super().argv(node)
+        for flag in ("--rank", "--world-size", "--rendezvous"):  # each with its value
+            i = argv.index(flag)
+            del argv[i:i + 2]
+        return [*argv, "--rendezvous", "env"]
+
+    def start_node(self, node: int) -> None:
+        self.env = {**self.base_env, "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(self.nodes),
+                    "MASTER_ADDR": "127.0.0.1", "ZEN_RENDEZVOUS_PORT": self.port,
+                    "RANK": str(4 * node + 3), "WORLD_SIZE": str(4 * self.nodes), "MASTER_PORT": "1"}
+        super().start_node(node)
+
+
+def test_rendezvous_env_takes_torchruns_node_level_variables(tmp_path):
+    with TorchrunEnvCluster(2, tmp_path, extra=["--log-format", "text"]) as c:
+        _sum_on_every_node(c, 2)
+        run = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir", c.socket_dir(1)],
+                             capture_output=True, text=True, timeout=60)
+        assert f'"membership": "rendezvous tcpstore://127.0.0.1:{c.port}' in run.stdout, run.stdout
 
 
 def test_ucx_data_plane_between_daemons(fresh_cluster):

@@ -189,10 +189,21 @@ def test_settings_come_from_flags_then_environment_then_file(tmp_path):
     ({}, {"ZEND_STEP_TIMEOUT_S": "soon"}, r"step_timeout_s='soon' \(from \$ZEND_STEP_TIMEOUT_S\) is not a valid float"),
     ({"world_size": 2}, {}, "more than one node needs peers or rendezvous"),
     ({"metrics_port": 70000}, {}, "metrics_port=70000"),
+    ({"rendezvous": "env", "listen": "tcp://a:1"}, {"MASTER_ADDR": "a", "PET_NODE_RANK": "0", "PET_NNODES": "1:4"},
+     r"rendezvous='env': environment variable PET_NNODES='1:4' is not an integer \(a range: an elastic job"),
+    ({"rendezvous": "env", "listen": "tcp://a:1", "rank": 1}, {"MASTER_ADDR": "a", "NODE_RANK": "0", "NNODES": "2"},
+     r"rank=1 \(from flag\): rendezvous env takes the node's rank and count from the environment"),
 ])
 def test_bad_settings_name_the_setting_value_and_source(flags, env, message):
     with pytest.raises(SettingsError, match=message):
         resolve(flags, env=env)
+
+
+def test_rendezvous_env_is_resolved_into_the_settings_before_anything_starts():
+    env = {"MASTER_ADDR": "10.0.0.1", "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "3", "RANK": "9", "WORLD_SIZE": "12"}
+    s = resolve({"rendezvous": "env", "listen": "tcp://10.0.0.3:7000"}, env=env)
+    assert (s.rendezvous, s.rank, s.world_size) == ("10.0.0.1:7001", 2, 3)  # the metrics' node label is right too
+    assert s.sources["rank"] == "the environment"
 
 
 def test_config_file_with_an_unknown_setting_is_refused(tmp_path):

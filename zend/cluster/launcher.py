@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from zend.cluster.local import LocalCluster, free_port
@@ -57,7 +58,8 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
     for it in their process group) are stopped at once. With `restart_daemon_at` the cluster is
     elastic and node 1's daemon is killed (-9) and started again when rank 0 asks (examples/common.py).
     """
-    with tempfile.TemporaryDirectory(prefix=f"zen-{job}-") as tmp, contextlib.ExitStack() as stack:
+    with _signals_end_the_job(), tempfile.TemporaryDirectory(prefix=f"zen-{job}-") as tmp, \
+            contextlib.ExitStack() as stack:
         faults = restart_daemon_at is not None and with_zen and nodes > 1
         extra = ["--log-format", "text", *(["--peer-timeout-s", "2"] if faults else [])]
         cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=extra, elastic=faults)) \
@@ -82,6 +84,25 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
             for p in agents:
                 _stop_group(p)
     return max(abs(p.returncode) for p in agents)
+
+
+@contextlib.contextmanager
+def _signals_end_the_job() -> Iterator[None]:
+    """SIGTERM / SIGHUP (a `timeout`, a cancelled CI job, a closed terminal) unwind like Ctrl-C, so
+    that the agents, which run in sessions of their own, are stopped too, not left running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, end) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _stop_group(agent: subprocess.Popen[bytes]) -> None:

@@ -28,7 +28,7 @@ from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.jobs import JobRegistry, Session
-from zend.daemon.membership import Membership, MembershipError, from_environment, rendezvous, static_membership
+from zend.daemon.membership import Membership, MembershipError, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
@@ -151,12 +151,9 @@ class Daemon:
 
     def _find_membership(self) -> Membership:
         s = self.settings
-        if s.rendezvous:
-            if s.rendezvous == "env":
-                host, port, world_size, rank = from_environment(os.environ)
-            else:
-                host, _, port_text = s.rendezvous.rpartition(":")
-                port, world_size, rank = int(port_text), s.world_size, s.rank
+        if s.rendezvous:  # "env" was resolved into HOST:PORT, rank and world size (settings.resolve)
+            host, _, port_text = s.rendezvous.rpartition(":")
+            port, world_size, rank = int(port_text), s.world_size, s.rank
             if s.elastic:
                 self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
                                                  agreed=s.agreed(), dead_after_s=s.peer_timeout_s,

@@ -165,7 +165,9 @@ def from_environment(env: Mapping[str, str]) -> tuple[str, int, int, int]:
         try:
             return int(found[1])
         except ValueError:
-            raise MembershipError(f"environment variable {found[0]}={found[1]!r} is not an integer") from None
+            elastic = " (a range: an elastic job; set ZEN_NUM_NODES to the nodes zend waits for)" \
+                if ":" in found[1] else ""
+            raise MembershipError(f"environment variable {found[0]}={found[1]!r} is not an integer{elastic}") from None
 
     address, rank_var, count_var = first(ADDRESS_VARIABLES), first(NODE_RANK_VARIABLES), first(NODE_COUNT_VARIABLES)
     missing = [" / ".join(names) for names, found in ((ADDRESS_VARIABLES, address), (NODE_RANK_VARIABLES, rank_var),

@@ -124,9 +124,29 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
     for name, value in flags.items():
         if value is not None and name in FIELDS:
             values[name], sources[name] = _convert(name, value, f"--{name.replace('_', '-')}"), "flag"
+    if values.get("rendezvous") == "env":
+        _from_environment(values, sources, env)
     settings = Settings(**values, sources=sources)
     validate(settings)
     return settings
+
+
+def _from_environment(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
+    """`rendezvous = env`: the node's rank, the node count and the store's address from the variables
+    a launcher or operator sets (membership.from_environment), resolved here, before anything starts."""
+    from zend.daemon.membership import MembershipError, from_environment
+
+    given = [n for n in ("rank", "world_size") if n in sources]
+    if given:
+        raise SettingsError(f"setting {given[0]}={values[given[0]]!r} (from {sources[given[0]]}): rendezvous env "
+                            "takes the node's rank and count from the environment; drop it, or give "
+                            "--rendezvous HOST:PORT")
+    try:
+        host, port, world_size, rank = from_environment(env)
+    except MembershipError as exc:
+        raise SettingsError(f"setting rendezvous='env': {exc}") from None
+    values.update(rendezvous=f"{host}:{port}", rank=rank, world_size=world_size)
+    sources.update(rendezvous="the environment", rank="the environment", world_size="the environment")
 
 
 def validate(s: Settings) -> None:
