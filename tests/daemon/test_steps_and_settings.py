@@ -211,3 +211,49 @@ def test_config_file_with_an_unknown_setting_is_refused(tmp_path):
     config.write_text("shceme = 'zen'\n")
     with pytest.raises(SettingsError, match="unknown setting 'shceme'"):
         resolve({}, env={}, config_file=str(config))
+
+
+# --- bounds on what a trainer can make the daemon hold (issue 14, item 8) -------------------------
+
+def test_step_numbers_are_bounded_and_may_not_jump_far_past_the_last_synchronised_step():
+    from zend.daemon.steps import MAX_STEP, STEP_WINDOW
+
+    table = StepTable()
+    with pytest.raises(StepError, match=r"step 4611686018427387904 of tensor 1 is outside \[0, 2\*\*62\)") as err:
+        table.join(StepKey("j", 1, MAX_STEP), 0, "s", "p", expected=1)
+    assert err.value.code == codes.INVALID_ARGUMENT
+    step, _ = table.join(StepKey("j", 1, 10), 0, "s", "p", expected=1)
+    table.finish(step, result="r")
+    with pytest.raises(StepError, match=f"more than {STEP_WINDOW} past its last synchronised step 10"):
+        table.join(StepKey("j", 1, 11 + STEP_WINDOW), 0, "s", "p", expected=1)  # would wedge the tensor
+    nxt, start = table.join(StepKey("j", 1, 10 + STEP_WINDOW), 0, "s", "p", expected=1)  # the edge is fine
+    assert start and nxt.key.step == 10 + STEP_WINDOW
+
+
+@pytest.mark.parametrize(("name", "shape", "message"), [
+    ("emb\0x", (10, 2), r"unprintable character '\\x00' at position 3"),
+    ("emb\nINFO forged", (10, 2), r"unprintable character '\\n' at position 3"),
+    ("emb", (2,) * 9, "9 dimensions, more than 8"),
+])
+def test_tensor_names_and_shapes_are_bounded(name: str, shape: tuple[int, ...], message: str) -> None:
+    with pytest.raises(SparseGradError, match=message):
+        TensorSpec("a", name, shape, "float32", "sparse_rows", False)
+
+
+def test_sessions_and_tensors_per_job_are_bounded_with_the_limit_named():
+    secret = b"s" * 32
+    reg = JobRegistry(secret, max_tensors_per_job=2, max_tensor_bytes=1 << 20)
+    with pytest.raises(StepError, match=r"local_world_size 4294967295 outside \[1, 1024\]") as err:
+        reg.open_session("a", 0, 2**32 - 1, pid=1)
+    assert err.value.code == codes.INVALID_ARGUMENT
+    s = reg.open_session("a", 0, 1, pid=1)
+    with pytest.raises(StepError, match=r"needs \d+ bytes of result buffer, over this daemon's max_session_bytes"):
+        reg.register(s, TensorSpec("a", "big", (1 << 20, 4), "float32", "sparse_rows", False), lambda: "scheme")
+    for name in ("t0", "t1"):
+        reg.register(s, TensorSpec("a", name, (10, 2), "float32", "sparse_rows", False), lambda: "scheme")
+    with pytest.raises(StepError, match="job 'a' has registered 2 tensors on this node, its limit") as err:
+        reg.register(s, TensorSpec("a", "t2", (10, 2), "float32", "sparse_rows", False), lambda: "scheme")
+    assert err.value.code == codes.RESOURCE_EXHAUSTED
+    reg.register(s, TensorSpec("a", "t1", (10, 2), "float32", "sparse_rows", False), lambda: "scheme")  # again: fine
+    other = reg.open_session("b", 0, 1, pid=2)
+    reg.register(other, TensorSpec("b", "t2", (10, 2), "float32", "sparse_rows", False), lambda: "scheme")  # per job

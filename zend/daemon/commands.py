@@ -31,6 +31,7 @@ HELP = {
     "socket_dir": "folder of the trainer sockets zend.sock and buffers.sock",
     "grpc_listen": "extra HOST:PORT for the gRPC services (operators, probes)",
     "metrics_port": "Prometheus port (0: off)",
+    "max_tensors_per_job": "tensors one job may register on this node (RESOURCE_EXHAUSTED beyond)",
 }
 
 

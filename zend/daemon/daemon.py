@@ -54,7 +54,7 @@ class Daemon:
         s = self.settings = settings
         self.secret = load_secret(s.secret_file or None)
         self.metrics = DaemonMetrics(s.rank)
-        self.registry = JobRegistry(self.secret)
+        self.registry = JobRegistry(self.secret, s.max_tensors_per_job, s.max_session_bytes)
         # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
                                     on_step=lambda info, request: self.socket_steps(info, request),

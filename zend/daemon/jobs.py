@@ -16,7 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from zend.daemon.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, StepError
+from zend.daemon.errors import (
+    FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED,
+    StepError,
+)
 from zend.protocol.layout import TensorSpec
 
 if TYPE_CHECKING:
@@ -82,9 +89,13 @@ class TensorState:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one sync of a tensor at a time, in step order
 
 
+MAX_LOCAL_WORLD_SIZE = 1024  # trainers of one job on one node: far above any machine's GPUs or cores
+
+
 class JobRegistry:
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, max_tensors_per_job: int = 4096, max_tensor_bytes: int = 16 << 30):
         self._secret = secret
+        self.max_tensors_per_job, self.max_tensor_bytes = max_tensors_per_job, max_tensor_bytes
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
         self.tensors: dict[tuple[str, int], TensorState] = {}
@@ -96,7 +107,10 @@ class JobRegistry:
             raise StepError(UNAUTHENTICATED, f"the token given is not job {job!r}'s token")
 
     def open_session(self, job: str, local_rank: int, local_world_size: int, pid: int) -> Session:
-        if local_world_size < 1 or not 0 <= local_rank < local_world_size:
+        if not 1 <= local_world_size <= MAX_LOCAL_WORLD_SIZE:
+            raise StepError(INVALID_ARGUMENT, f"local_world_size {local_world_size} outside "
+                                              f"[1, {MAX_LOCAL_WORLD_SIZE}]")
+        if not 0 <= local_rank < local_world_size:
             raise StepError(INVALID_ARGUMENT, f"local_rank {local_rank} outside local_world_size {local_world_size}")
         with self._lock:
             for s in self.sessions.values():
@@ -174,9 +188,18 @@ class JobRegistry:
 
     def register(self, session: Session, spec: TensorSpec, make_scheme: Any) -> TensorState:
         tid = tensor_id(spec.job, spec.name)
+        if spec.max_bytes > self.max_tensor_bytes:  # its result buffer could never be allocated
+            raise StepError(INVALID_ARGUMENT, f"tensor {spec.name!r} of shape {list(spec.shape)} {spec.dtype_name} "
+                                              f"needs {spec.max_bytes} bytes of result buffer, over this daemon's "
+                                              f"max_session_bytes {self.max_tensor_bytes}")
         with self._lock:
             state = self.tensors.get((spec.job, tid))
             if state is None:
+                count = sum(1 for job, _ in self.tensors if job == spec.job)
+                if count >= self.max_tensors_per_job:
+                    raise StepError(RESOURCE_EXHAUSTED, f"job {spec.job!r} has registered {count} tensors on this "
+                                                        f"node, its limit (max_tensors_per_job); tensor {spec.name!r} "
+                                                        "is refused (fuse small tensors: Client.allreduce_many)")
                 state = TensorState(spec, tid, session.local_world_size, make_scheme())
                 self.tensors[(spec.job, tid)] = state
                 return state

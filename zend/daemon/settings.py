@@ -44,6 +44,7 @@ class Settings:
     threads: int = 0                     # torch threads for the daemon's tensor work (0: a quarter of the cores)
     max_session_bytes: int = 16 << 30    # shared buffers one trainer may hold
     max_pool_bytes: int = 64 << 30       # shared buffers all trainers may hold
+    max_tensors_per_job: int = 4096      # tensors one job may register on this node
     # the scheme
     scheme: str = "auto"
     hash_seed: int = 0
@@ -189,7 +190,8 @@ def validate(s: Settings) -> None:
         raise bad("peer_timeout_s", "must be at least 0.2 s (heartbeats go every tenth of it)")
     if s.threads < 0:
         raise bad("threads", "must be 0 (a quarter of the cores) or more")
-    for name in ("grpc_workers", "max_session_bytes", "max_pool_bytes", "min_slice_width", "reprofile_every"):
+    for name in ("grpc_workers", "max_session_bytes", "max_pool_bytes", "max_tensors_per_job", "min_slice_width",
+                 "reprofile_every"):
         if getattr(s, name) < 1:
             raise bad(name, "must be at least 1")
     if not 0 <= s.metrics_port < 65536:

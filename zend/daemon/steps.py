@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from zend.daemon.errors import FAILED_PRECONDITION, StepError
+from zend.daemon.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, StepError
+
+MAX_STEP = 2**62  # step numbers are counters: anything near 2**63 is a bug or an attack
+STEP_WINDOW = 1 << 20  # how far past a tensor's last synchronised step a submission may jump
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,15 @@ class StepTable:
 
     def join(self, key: StepKey, local_rank: int, session: str, part: Any, expected: int) -> tuple[Step, bool]:
         """File a trainer's part; returns the step and whether this call completed it (start it now)."""
+        if not 0 <= key.step < MAX_STEP:
+            raise StepError(INVALID_ARGUMENT, f"step {key.step} of tensor {key.tensor_id} is outside [0, 2**62)")
         with self._lock:
             last = self._last.get((key.job, key.tensor_id))
             if last is not None and last.key.step == key.step:
                 return last, False  # a repeat after the end: the same result (or error)
+            if last is not None and key.step > last.key.step + STEP_WINDOW:  # it would wedge the tensor
+                raise StepError(INVALID_ARGUMENT, f"step {key.step} of tensor {key.tensor_id} is more than "
+                                                  f"{STEP_WINDOW} past its last synchronised step {last.key.step}")
             if last is not None and key.step < last.key.step:
                 raise StepError(FAILED_PRECONDITION, f"step {key.step} of tensor {key.tensor_id} is in the past: "
                                                      f"step {last.key.step} has already been synchronised")

@@ -19,6 +19,7 @@ from zend.core.sparse import SparseGrad, SparseGradError
 LAYOUTS = ("sparse_rows", "dense")
 ALIGN = 64
 MAX_NAME = 200
+MAX_DIMS = 8  # torch's embedding and dense layers need 1-4; more is a mistake or an attack
 
 # view(dtype, byte_offset, count) -> 1-D tensor over the buffer (SharedBuffer.view)
 ViewFn = Callable[[torch.dtype, int, int], torch.Tensor]
@@ -43,10 +44,16 @@ class TensorSpec:
         where = f"tensor {self.name!r} of job {self.job!r}"
         if not self.name or len(self.name) > MAX_NAME:
             raise SparseGradError(f"tensor name {self.name[:40]!r} must have 1 to {MAX_NAME} characters")
+        if not self.name.isprintable():  # NUL, newline, ...: names reach logs, metrics and status
+            bad = next(i for i, c in enumerate(self.name) if not c.isprintable())
+            raise SparseGradError(f"tensor name {self.name[:40]!r} has the unprintable character "
+                                  f"{self.name[bad]!r} at position {bad}")
         if self.dtype_name not in dtypes.BY_NAME:
             raise SparseGradError(f"{where}: dtype {self.dtype_name!r} is not one of {', '.join(dtypes.NAMES)}")
         if self.layout not in LAYOUTS:
             raise SparseGradError(f"{where}: layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if len(self.shape) > MAX_DIMS:
+            raise SparseGradError(f"{where}: {len(self.shape)} dimensions, more than {MAX_DIMS}")
         if not self.shape or any(d < 1 for d in self.shape) or self.shape[0] >= 2**31:
             raise SparseGradError(f"{where}: shape {list(self.shape)} must have positive sizes and < 2**31 rows")
         if math.prod(self.shape) * self.itemsize >= 1 << 40:
