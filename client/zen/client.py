@@ -24,11 +24,19 @@ import grpc
 import torch
 from torch.profiler import record_function
 
-from zen.errors import DaemonUnavailable, InvalidGradient, NotAuthorized, OutOfOrder, ZenError, from_rpc_error
+from zen.errors import (
+    DaemonUnavailable,
+    InvalidGradient,
+    NotAuthorized,
+    OutOfOrder,
+    ZenError,
+    from_buffer_error,
+    from_rpc_error,
+)
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
 from zend.protocol import paths
-from zend.protocol.session import TensorHandle, TrainerSession
+from zend.protocol.session import SharedBufferError, TensorHandle, TrainerSession
 
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
@@ -187,6 +195,8 @@ class Client:
                 out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:  # by gRPC or on the socket (StepRefused reads the same)
             raise from_rpc_error(exc, self.address) from None
+        except SharedBufferError as exc:  # the input buffer (a bigger one when nnz grew) was refused
+            raise from_buffer_error(exc, f"tensor {name!r}") from None
         finally:
             with self._lock:
                 entry.in_flight = False
@@ -291,6 +301,8 @@ class Client:
                                              device=device)
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, self.address) from None
+            except SharedBufferError as exc:  # its result buffer was refused
+                raise from_buffer_error(exc, f"tensor {name!r}") from None
             entry = self._tensors[name] = _Tensor(handle, kind, shape)
         elif entry.kind != kind or entry.shape != shape or entry.handle.spec.dtype != grad.dtype:
             raise InvalidGradient(f"tensor {name!r} was first synchronised as {entry.kind} {list(entry.shape)} "

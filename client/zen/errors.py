@@ -66,6 +66,14 @@ _BY_CODE: dict[str, type[ZenError]] = {cls.code: cls for cls in (
 _BY_CODE["PERMISSION_DENIED"] = NotAuthorized
 
 
+def from_buffer_error(exc: Exception, what: str) -> ZenError:
+    """A buffer the daemon refused: OutOfResources when it ran out of something (a limit, descriptors,
+    memory; the session lives on, a later request may succeed), InvalidGradient otherwise."""
+    code = getattr(exc, "code", None)
+    cls = OutOfResources if code == "RESOURCE_EXHAUSTED" else InvalidGradient
+    return cls(f"{what}: {exc} [{code or 'INVALID_ARGUMENT'}]")
+
+
 def from_rpc_error(exc: grpc.RpcError, address: str) -> ZenError:
     code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
     details = exc.details() if hasattr(exc, "details") else str(exc)

@@ -202,6 +202,31 @@ def test_over_limit_allocs_are_refused_naming_the_numbers_and_the_session_goes_o
     bob.alloc(4096)
 
 
+def test_out_of_descriptors_refuses_that_alloc_as_resource_exhausted_and_the_session_goes_on(
+        daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from zend.buffers import shared
+
+    server = daemon_factory().server
+    alice = client(cleanup, server.path, "alice")
+    kept = alice.alloc(4096)
+
+    def out_of_fds(*_: object) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(shared.os, "memfd_create", out_of_fds)
+    with pytest.raises(SharedBufferError, match=r"alloc of 8192 bytes: the daemon is out of resources \(EMFILE: "
+                                                r"Too many open files\)") as info:
+        alice.alloc(8192)
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    monkeypatch.undo()
+    assert server.session_bytes("alice") == 4096  # the refused request reserved nothing
+    again = alice.alloc(8192)  # the same connection and session
+    kept.view(torch.uint8, 0, 4).fill_(7)
+    assert int(server.get("alice", kept.buffer_id).view(torch.uint8, 0, 4).sum()) == 28
+    assert server.sessions == ["alice"] and again.nbytes == 8192
+
+
 # -- sessions and ownership -------------------------------------------------------------------
 
 def test_a_session_cannot_reach_another_sessions_buffer(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:

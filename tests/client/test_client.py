@@ -129,6 +129,29 @@ def test_gpt_example_same_loss_with_zen_and_with_ddp_gloo(cluster2):
     assert zen_losses[-1] < zen_losses[0] - 0.5  # it learns
 
 
+def test_a_daemon_out_of_descriptors_refuses_one_request_with_out_of_resources_and_the_session_lives(
+        fresh_cluster):  # type: ignore[no-untyped-def]
+    """issue 14, item 6: an established trainer's next alloc hits EMFILE (the daemon's fd limit lowered
+    to what it holds): that request is OutOfResources; the session, its tensors and its steps go on."""
+    import resource
+
+    c = fresh_cluster(1, extra=["--log-format", "text"])
+    pid = c.procs[0].pid
+    with zen.Client(c.socket_dir(0), job="fds", token=c.token("fds")) as client:
+        client.allreduce(torch.ones(64), name="kept")
+        limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        held = len(os.listdir(f"/proc/{pid}/fd"))
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (held, limits[1]))
+        try:
+            with pytest.raises(zen.OutOfResources, match=r"tensor 'new'.*out of resources \(EMFILE"):
+                client.allreduce(torch.ones(1024), name="new")
+            assert client.allreduce(torch.ones(64), name="kept").sum().item() == 64  # the session lives on
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+        assert client.allreduce(torch.ones(1024), name="new").sum().item() == 1024
+    assert "the daemon is out of resources" in c.log_tail(0, 200) or "Too many open files" in c.log_tail(0, 200)
+
+
 def test_all_tensor_kinds_over_threads_on_one_node(fresh_cluster):
     c = fresh_cluster(1, extra=["--log-format", "text"])
 

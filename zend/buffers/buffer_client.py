@@ -168,7 +168,9 @@ class BufferClient:
         try:
             error = wire.check_reply(message.body)
             if error is not None and refusal_raises:
-                raise SharedBufferError(f"zend daemon refused {body.get('op')!r}: {error}")
+                code = message.body.get("code")
+                raise SharedBufferError(f"zend daemon refused {body.get('op')!r}: {error}",
+                                        code if isinstance(code, str) else None)
         except BaseException:
             if fd is not None:
                 with contextlib.suppress(OSError):

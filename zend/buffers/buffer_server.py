@@ -27,7 +27,7 @@ from typing import Any
 
 from zend.buffers import wire
 from zend.buffers.cuda import CudaBuffer
-from zend.buffers.shared import SharedBuffer, SharedBufferError
+from zend.buffers.shared import EXHAUSTED_ERRNOS, RESOURCE_EXHAUSTED, SharedBuffer, SharedBufferError
 
 log = logging.getLogger("zend.buffers")
 
@@ -312,7 +312,7 @@ class BufferServer:
         try:
             buffer = self._alloc(session, request.nbytes, request.device)
         except SharedBufferError as exc:
-            wire.send_message(conn, wire.reply_error(str(exc)))
+            wire.send_message(conn, wire.reply_error(str(exc), exc.code))
             return
         reply = wire.reply_ok(buffer=buffer.buffer_id, nbytes=buffer.nbytes, device=buffer.device)
         if isinstance(buffer, CudaBuffer):
@@ -336,20 +336,31 @@ class BufferServer:
         with self._lock:
             if session.nbytes + nbytes > self.max_session_bytes:
                 raise SharedBufferError(f"alloc of {nbytes} bytes refused: session {session_id!r} holds "
-                                        f"{session.nbytes} bytes, its limit is {self.max_session_bytes} bytes")
+                                        f"{session.nbytes} bytes, its limit is {self.max_session_bytes} bytes",
+                                        RESOURCE_EXHAUSTED)
             if self._pool_bytes + nbytes > self.max_total_bytes:
                 raise SharedBufferError(f"alloc of {nbytes} bytes refused: the daemon's pool holds "
-                                        f"{self._pool_bytes} bytes, its limit is {self.max_total_bytes} bytes")
+                                        f"{self._pool_bytes} bytes, its limit is {self.max_total_bytes} bytes",
+                                        RESOURCE_EXHAUSTED)
             session.nbytes += nbytes  # reserved while the buffer is created outside the lock
             self._pool_bytes += nbytes
             buffer_id = secrets.token_hex(8)
             while buffer_id in self._buffers:
                 buffer_id = secrets.token_hex(8)
         try:
-            if device == "cpu":
-                buffer = SharedBuffer.create(nbytes, buffer_id)
-            else:
-                buffer = CudaBuffer.create(nbytes, buffer_id, device)
+            try:
+                if device == "cpu":
+                    buffer = SharedBuffer.create(nbytes, buffer_id)
+                else:
+                    buffer = CudaBuffer.create(nbytes, buffer_id, device)
+            except OSError as exc:
+                if exc.errno not in EXHAUSTED_ERRNOS:
+                    raise
+                # this request fails; the session, its other buffers and its connection live on
+                log.warning("buffer socket: alloc of %d bytes for session %s: %s", nbytes, session_id[:12], exc)
+                raise SharedBufferError(f"alloc of {nbytes} bytes: the daemon is out of resources "
+                                        f"({errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror})",
+                                        RESOURCE_EXHAUSTED) from None
         except BaseException:
             with self._lock:
                 if not session.ended:

@@ -15,6 +15,7 @@ never unmaps: it drops its reference and the mapping goes away with the last vie
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -27,7 +28,17 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class SharedBufferError(ValueError):
-    """A buffer request that cannot be served: bad id, bad size, out-of-range view, closed buffer."""
+    """A buffer request that cannot be served: bad id, bad size, out-of-range view, closed buffer.
+    `code` is RESOURCE_EXHAUSTED where the request was fine and the daemon is out of something."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+# what creating a buffer can run out of: descriptors (the process's, the system's), memory, space
+EXHAUSTED_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
 
 
 class SharedBuffer:
@@ -62,8 +73,9 @@ class SharedBuffer:
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, OverflowError, ValueError) as exc:
             os.close(fd)
+            exhausted = isinstance(exc, OSError) and exc.errno in EXHAUSTED_ERRNOS  # the mapping: memory
             raise SharedBufferError(f"buffer {buffer_id!r}: cannot allocate {nbytes} bytes of shared memory: "
-                                    f"{exc}") from exc
+                                    f"{exc}", RESOURCE_EXHAUSTED if exhausted else None) from exc
         return cls(buffer_id, nbytes, fd, mm)
 
     @classmethod
