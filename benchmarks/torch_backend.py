@@ -59,6 +59,7 @@ def worker(sizes_mb: list[float], repeats: int) -> None:
 
 
 def run(nodes: int, rate_mbit: float | None, sizes_mb: list[float], repeats: int, workdir: Path) -> list[dict]:
+    from zend.cluster.launcher import wait_for_ranks
     from zend.cluster.local import LocalCluster, free_port
     from zend.cluster.netns import EmulatedCluster
 
@@ -76,18 +77,7 @@ def run(nodes: int, rate_mbit: float | None, sizes_mb: list[float], repeats: int
             argv = ["ip", "netns", "exec", emulated.namespace(rank), sys.executable, __file__, "--worker",
                     "--sizes-mb", ",".join(str(s) for s in sizes_mb), "--repeats", str(repeats)]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = []
-        try:
-            for p in procs:
-                out, err = p.communicate(timeout=1800)
-                if p.returncode != 0:
-                    raise RuntimeError(f"a rank failed:\n{err[-3000:]}")
-                outs.append(out)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outs = wait_for_ranks(procs, 1800)
     return [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
 
 

@@ -44,6 +44,7 @@ EXAMPLES = {  # script, model arguments, the runs it offers
 
 
 def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path, port: int) -> list[dict]:
+    from zend.cluster.launcher import wait_for_ranks
     from zend.cluster.local import LocalCluster
 
     n = args.nodes
@@ -66,18 +67,7 @@ def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path
             argv = ["ip", "netns", "exec", emulated.namespace(rank),  # type: ignore[attr-defined]
                     sys.executable, str(ROOT / script), *model]
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outs = []
-        try:
-            for p in procs:
-                out, err = p.communicate(timeout=1200)
-                if p.returncode != 0:
-                    raise RuntimeError(f"{name}: a rank failed:\n{err[-2000:]}")
-                outs.append(out)
-        finally:  # a failed rank leaves the others waiting for it: never leave them behind
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outs = wait_for_ranks(procs, 1200, f"{name}: a rank")
     return [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
 
 

@@ -31,6 +31,24 @@ def rank_env(node: int, local: int, nodes: int, trainers: int, master_port: int,
     return env
 
 
+def wait_for_ranks(procs: Sequence[subprocess.Popen[str]], timeout_s: float, what: str = "a rank") -> list[str]:
+    """Every rank's stdout, in order; RuntimeError with the failed rank's stderr tail. A failed rank
+    leaves the others waiting for it in their process group: they are killed, never left behind."""
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            if p.returncode != 0:
+                raise RuntimeError(f"{what} failed:\n{err[-3000:]}")
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
 def node_env(node: int, cluster: LocalCluster | None, job: str) -> dict[str, str]:
     """What a node's trainers get from its sidecar: where the daemon is, the job and its token."""
     env = {"OMP_NUM_THREADS": "1"}
