@@ -79,7 +79,11 @@ def test_a_sigterm_to_the_launcher_stops_every_agent_rank_and_daemon() -> None:
         while (left := _processes_mentioning("424242") + _processes_mentioning(tmp)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, left
-    finally:
+    finally:  # SIGTERM: the launcher stops what it started (a SIGKILL would orphan its daemons and agents)
         if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+            launcher.send_signal(signal.SIGTERM)
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
