@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen.client import Client
+from zen.errors import behind
 
 
 @dataclass
@@ -55,7 +56,7 @@ class HookState:
                 raise               # not zen's
         """
         error, self.error = self.error, None
-        if error is not None and (cause is None or str(error) in str(cause)):
+        if error is not None and behind(error, cause):
             raise error
 
     def bucket_name(self, bucket: dist.GradBucket) -> str:

@@ -64,7 +64,7 @@ from torch._C._distributed_c10d import (
 from torch.profiler import record_function
 
 from zen.client import Client, StepStats
-from zen.errors import OutOfOrder, StepAborted, StepTimeout, ZenError
+from zen.errors import OutOfOrder, StepAborted, StepTimeout, ZenError, behind
 from zend.core import dtypes
 from zend.core.topk import TopKCompressor
 
@@ -352,7 +352,7 @@ class ZenProcessGroup(ProcessGroup):
             return self._sparse_allreduce(tensors, op)
         if self.dense != "inner" and _is_sum_or_avg(op) and self._zen_carries(tensors[0], "dense all_reduce"):
             return self._dense_via_zen(tensors, op)
-        return self._inner(tensors).allreduce(tensors, _allreduce_options(opts))
+        return self._inner(tensors).allreduce(tensors, opts or AllreduceOptions())
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: Any) -> dist.Work:
         if not _is_sum_or_avg(op):
@@ -597,7 +597,7 @@ class ZenProcessGroup(ProcessGroup):
         given the RuntimeError that DDP raised, only if that is the zen error's (a stale one is dropped)."""
         with self._lock:
             error, self.error = self.error, None
-        if error is not None and (cause is None or str(error) in str(cause)):
+        if error is not None and behind(error, cause):
             raise error
 
     def last_stats(self) -> dict[str, StepStats]:
@@ -655,10 +655,6 @@ def _is_sum_or_avg(op: Any) -> bool:
     return bool(op == ReduceOp.SUM or op == ReduceOp.AVG)
 
 
-def _allreduce_options(opts: Any) -> Any:
-    return opts if opts is not None else AllreduceOptions()
-
-
 def _shape(t: torch.Tensor) -> str:
     return "x".join(str(s) for s in t.shape)
 
@@ -699,9 +695,7 @@ def _linearise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(rows, values, num_rows): the sparse dims folded into one row index (row-major)."""
     indices, values = t._indices(), t._values()
     dims = t.shape[:t.sparse_dim()]
-    num_rows = math.prod(dims)
-    if num_rows >= 2**63:
-        raise ValueError(f"zen sparse all_reduce of {_describe(t)}: {num_rows} rows do not fit a 64-bit row index")
+    num_rows = math.prod(dims)  # below MAX_ROWS: _zen_carries sent bigger ones to gloo
     rows = indices[0].to(torch.int64)
     for d in range(1, len(dims)):
         rows = rows * dims[d] + indices[d].to(torch.int64)

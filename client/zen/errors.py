@@ -66,6 +66,12 @@ _BY_CODE: dict[str, type[ZenError]] = {cls.code: cls for cls in (
 _BY_CODE["PERMISSION_DENIED"] = NotAuthorized
 
 
+def behind(error: BaseException, cause: BaseException | None) -> bool:
+    """Whether `error` is the zen error behind `cause`, the RuntimeError DDP raised for it (which
+    quotes it); with no cause, any error is taken to be."""
+    return cause is None or str(error) in str(cause)
+
+
 def from_buffer_error(exc: Exception, what: str) -> ZenError:
     """A buffer the daemon refused: OutOfResources when it ran out of something (a limit, descriptors,
     memory; the session lives on, a later request may succeed), InvalidGradient otherwise."""

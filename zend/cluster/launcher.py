@@ -21,14 +21,10 @@ from zend.protocol import paths
 
 def rank_env(node: int, local: int, nodes: int, trainers: int, master_port: int, cluster: LocalCluster | None,
              job: str) -> dict[str, str]:
-    """torchrun's variables for one rank, and the sidecar's ZEN_* ones when there is a cluster."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(node * trainers + local),
-           "WORLD_SIZE": str(nodes * trainers), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(trainers),
-           "OMP_NUM_THREADS": "1"}
-    if cluster is not None:
-        env.update({paths.SOCKET_DIR_ENV: cluster.socket_dir(node), "ZEN_JOB": job,
-                    "ZEN_JOB_TOKEN": cluster.token(job)})
-    return env
+    """torchrun's variables for one rank, and its node's sidecar variables (node_env)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(node * trainers + local),
+            "WORLD_SIZE": str(nodes * trainers), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(trainers),
+            **node_env(node, cluster, job)}
 
 
 def wait_for_ranks(procs: Sequence[subprocess.Popen[str]], timeout_s: float, what: str = "a rank") -> list[str]:
