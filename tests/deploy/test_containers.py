@@ -1,0 +1,200 @@
+"""The real image and the real docker-compose.yml, run: daemons, trainers and Prometheus in containers.
+
+Builds the base image offline (cached between runs), the zend image from a wheelhouse and a
+Prometheus image from Debian's package, then brings up the compose file's daemons, trainers and
+Prometheus (Grafana has no offline source and stays out). Checks: the daemons turn healthy, run
+non-root on a read-only root filesystem, the trainers train to the end with falling loss, a known
+gradient from a trainer container comes back as its exact sum (through the daemon's memfd buffers
+on the shared /run/zend volume), and Prometheus has both daemons' step and byte series and the
+alert rules. Then `down -v`, the test's images removed, and a dockerd it started stopped with the
+host restored (docker_host). Run by `make test` after the rest of the suite; its figures are
+written to build/deploy_test.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy import docker_host
+from tests.deploy.docker_host import docker
+from zend.cluster.local import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ZEND_IMAGE, PROMETHEUS_IMAGE = "zen-ci-zend:test", "zen-ci-prometheus:test"
+STEPS = 30
+WHEELHOUSE = "build/wheelhouse"  # inside the build context, which is the repository
+
+pytestmark = [pytest.mark.docker,
+              pytest.mark.skipif(docker_host.why_no_docker() is not None, reason=str(docker_host.why_no_docker()))]
+
+
+class Compose:
+    """docker-compose (Debian's 1.29) on the repository's docker-compose.yml, as project `name`."""
+
+    def __init__(self, name: str, env: dict[str, str]):
+        self.name, self.env = name, {**os.environ, **env}
+
+    def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        run = subprocess.run(["docker-compose", "-p", self.name, "-f", str(ROOT / "docker-compose.yml"), *args],
+                             capture_output=True, text=True, timeout=timeout, env=self.env, cwd=ROOT)
+        if check and run.returncode != 0:
+            raise RuntimeError(f"docker-compose {' '.join(args[:2])} failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
+        return run
+
+    def container(self, service: str) -> str:
+        ids = self("ps", "-q", service).stdout.split()
+        assert len(ids) == 1, f"{service}: containers {ids}"
+        return ids[0]
+
+
+def health(container: str) -> str:
+    return docker("inspect", "-f", "{{.State.Health.Status}}", container).stdout.strip()
+
+
+def prometheus_query(port: int, path: str, **params: str) -> Any:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        body = json.load(reply)
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def wait_for(what: str, check: Any, timeout_s: float) -> Any:
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (OSError, AssertionError, KeyError) as exc:
+            last = exc
+        time.sleep(1)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The engine, the cached base, the zend and Prometheus images; removed again at the end
+    (the base stays cached). Yields the build figures."""
+    work = tmp_path_factory.mktemp("docker")
+    with docker_host.docker_engine(work) as started:
+        figures: dict[str, Any] = {"dockerd_started_by_test": started}
+        try:
+            t = time.monotonic()
+            figures["base_cached"] = docker_host.ensure_base_image(work)
+            figures["base_s"] = round(time.monotonic() - t, 1)
+            t = time.monotonic()
+            wheels = subprocess.run([str(ROOT / "scripts/build_wheelhouse.sh"), WHEELHOUSE], capture_output=True,
+                                    text=True, timeout=900, cwd=ROOT)
+            assert wheels.returncode == 0, wheels.stderr[-3000:]
+            figures["wheelhouse_s"] = round(time.monotonic() - t, 1)
+            t = time.monotonic()
+            docker("build", "-q", "-f", "deploy/Dockerfile", "--build-arg", f"BASE_IMAGE={docker_host.BASE_IMAGE}",
+                   "--build-arg", f"WHEELHOUSE={WHEELHOUSE}", "-t", ZEND_IMAGE, ".", cwd=ROOT, timeout=1200)
+            figures["zend_build_s"] = round(time.monotonic() - t, 1)
+            figures["zend_image_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", ZEND_IMAGE).stdout)
+                                             / 1e6)
+            docker_host.build_prometheus_image(PROMETHEUS_IMAGE)
+            yield figures
+        finally:
+            docker("image", "rm", "-f", ZEND_IMAGE, PROMETHEUS_IMAGE, check=False)
+            docker("image", "prune", "-f", check=False)  # the build stage's layers: the image cache stays bounded
+
+
+@pytest.fixture(scope="module")
+def stack(images: dict[str, Any]) -> Iterator[tuple[Compose, int, dict[str, Any]]]:
+    """The compose file's daemons, trainers and Prometheus, up; always `down -v` at the end."""
+    port = free_port()
+    compose = Compose(f"zendeploy{os.getpid()}", {
+        "ZEND_IMAGE": ZEND_IMAGE, "PROMETHEUS_IMAGE": PROMETHEUS_IMAGE, "PROMETHEUS_PORT": str(port),
+        "ZEN_TRAIN_STEPS": str(STEPS)})
+    try:
+        t = time.monotonic()
+        compose("up", "-d", "--no-build", "zend-0", "zend-1", "prometheus")
+        for service in ("zend-0", "zend-1"):
+            container = compose.container(service)
+            wait_for(f"{service} healthy", lambda c=container: health(c) == "healthy", 120)
+        images["up_to_healthy_s"] = round(time.monotonic() - t, 1)
+        yield compose, port, images
+    finally:
+        try:
+            logs = compose("logs", "--no-color", "--tail", "200", check=False).stdout
+            (ROOT / "build").mkdir(exist_ok=True)
+            (ROOT / "build/deploy_test.log").write_text(logs)
+        finally:
+            compose("down", "-v", "--remove-orphans", "-t", "5", check=False)
+            (ROOT / "build/deploy_test.json").write_text(json.dumps(images, indent=2))
+        label = f"label=com.docker.compose.project={compose.name}"
+        left, networks, volumes = (docker(*kind, "-q", "--filter", label).stdout.split()
+                                   for kind in (("ps", "-a"), ("network", "ls"), ("volume", "ls")))
+        assert not left and not networks and not volumes, \
+            f"left behind: containers {left}, networks {networks}, volumes {volumes}"
+
+
+def test_daemons_run_non_root_on_a_read_only_root_filesystem(stack: tuple[Compose, int, dict[str, Any]]) -> None:
+    compose, _, _ = stack
+    for service in ("zend-0", "zend-1"):
+        container = compose.container(service)
+        config = json.loads(docker("inspect", container).stdout)[0]
+        assert config["HostConfig"]["ReadonlyRootfs"] is True
+        assert docker("exec", container, "id", "-u").stdout.strip() == "10001"
+        write = docker("exec", container, "touch", "/opt/zen/probe", check=False)
+        assert write.returncode != 0 and "Read-only file system" in write.stderr, write
+
+
+def test_trainer_containers_get_the_exact_sum_through_the_daemons_memfd_buffers(
+        stack: tuple[Compose, int, dict[str, Any]]) -> None:
+    compose, _, _ = stack
+    check = ROOT / "tests/deploy/sum_check.py"
+    procs = [subprocess.Popen(
+        ["docker-compose", "-p", compose.name, "-f", str(ROOT / "docker-compose.yml"), "run", "--rm", "-T",
+         "--no-deps", "-e", f"RANK={rank}", "-e", "ZEN_JOB=deploy-check", "-v", f"{check}:/check/sum_check.py:ro",
+         "--entrypoint", "sh", f"trainer-{rank}", "-c",
+         "export ZEN_JOB_TOKEN=$(zend token --job $ZEN_JOB) && exec python /check/sum_check.py"],
+        env=compose.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, f"rank {rank}: {out}\n{err[-3000:]}"
+        line = json.loads([x for x in out.splitlines() if x.startswith("{")][-1])
+        assert line["sum_ok"] and line["row7"] == 3.0 and line["bytes_sent"] > 0, line  # 1 + 2, over the wire
+
+
+def test_trainers_train_to_the_end_and_prometheus_sees_both_daemons(
+        stack: tuple[Compose, int, dict[str, Any]]) -> None:
+    compose, port, figures = stack
+    t = time.monotonic()
+    compose("up", "-d", "--no-build", "trainer-0", "trainer-1")
+    trainers = [compose.container(f"trainer-{rank}") for rank in range(2)]
+    codes = [int(docker("wait", c, timeout=900).stdout.strip()) for c in trainers]
+    figures["trainers_s"] = round(time.monotonic() - t, 1)
+    logs = [docker("logs", c) for c in trainers]
+    assert codes == [0, 0], [f"exit {code}: {log.stderr[-2000:]}" for code, log in zip(codes, logs, strict=True)]
+    rows = [json.loads(line) for line in logs[0].stdout.splitlines() if line.startswith("{")]  # rank 0 reports
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    first, last = (sum(r["loss"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
+    assert last < first, f"the loss does not fall: {first:.3f} over the first 5 steps, {last:.3f} over the last 5"
+    assert all(0 < r["wire_bytes"] < r["dense_bytes"] for r in rows), "the embedding did not go through zend"
+    figures["trainer_step_ms_median"] = round(sorted(r["seconds"] for r in rows[2:])[(STEPS - 2) // 2] * 1e3, 1)
+
+    instances = {"zend-0:9400", "zend-1:9400"}
+
+    def series(query: str) -> set[str]:
+        result = prometheus_query(port, "query", query=query)["result"]
+        return {r["metric"]["instance"] for r in result if float(r["value"][1]) > 0}
+
+    # zen_steps_total counts tensor-steps; both daemons' series, after the trainers' last scrape
+    wait_for("both daemons' zen_steps_total in Prometheus", lambda: series("zen_steps_total") >= instances, 60)
+    wait_for("both daemons' sent bytes in Prometheus", lambda: series("zen_sent_bytes_total") >= instances, 60)
+    assert series('up{job="zend"}') >= instances
+    rules = {rule["name"] for group in prometheus_query(port, "rules")["groups"] for rule in group["rules"]}
+    assert {"ZenDaemonDown", "ZenPeerDown"} <= rules, rules
