@@ -37,7 +37,6 @@ DS = dm.DataSourceRef(type_val="prometheus", uid="${DS_PROMETHEUS}")
 NODE = 'job=~"$job", instance=~"$instance"'
 TENSOR = NODE + ', zen_job=~"$zen_job"'
 RATE = "$__rate_interval"
-TOTAL = 'phase="total"'
 
 
 def sel(metric: str, labels: str = NODE, extra: str = "") -> str:
@@ -124,12 +123,12 @@ def build() -> db.Dashboard:
     # Overview: one number each.
     d = d.with_row(db.Row("Overview").id(100))
     d = d.with_panel(single(
-        1, "Steps / s", "Steps synchronised per second, all daemons and schemes.", "ops",
-        query(f"sum(rate({sel('zen_steps_total')}[{RATE}]))"), green_then()))
+        1, "Tensor-steps / s", "Tensor-steps synchronised per second (one per tensor and step: a DDP step of k "
+        "buckets counts k), all daemons and schemes.", "ops",
+        query(f"sum(rate({sel('zen_tensor_steps_total')}[{RATE}]))"), green_then()))
     d = d.with_panel(single(
-        2, "Sync time p99", "99th percentile of a step's total sync time on a node.", "s",
-        query(f"histogram_quantile(0.99, sum by (le) "
-              f"(rate({sel('zen_sync_duration_seconds_bucket', extra=TOTAL)}[{RATE}])))"),
+        2, "Step time p99", "99th percentile of a trainer's step in its daemon, from submit to result delivered.",
+        "s", query(f"histogram_quantile(0.99, sum by (le) (rate({sel('zen_step_duration_seconds_bucket')}[{RATE}])))"),
         green_then((0.5, "orange"), (2, "red"))))
     d = d.with_panel(single(
         3, "Saved vs dense", "Share of the bytes a dense ring allreduce would have sent that zen did not send, "
@@ -152,18 +151,18 @@ def build() -> db.Dashboard:
     d = d.with_panel(series(
         10, "Sync time by phase (p50, p99)",
         "Quantiles of one step's time on a node, per phase: wait (for the node's trainers), local_sum, "
-        "agree, exchange, deliver, and total.", "s",
+        "agree, exchange, commit and deliver (they add up to the step).", "s",
         [query(p_by_phase(0.5), "p50 {{phase}}", "A"), query(p_by_phase(0.99), "p99 {{phase}}", "B")],
         calcs=["mean", "max", "lastNotNull"]))
     d = d.with_panel(series(
-        11, "Mean sync time per step, by daemon", "Total sync time per step, mean over the interval.", "s",
-        [query(f"sum by (instance) (rate({sel('zen_sync_duration_seconds_sum', extra=TOTAL)}[{RATE}]))"
-               f" / sum by (instance) "
-               f"(rate({sel('zen_sync_duration_seconds_count', extra=TOTAL)}[{RATE}]))",
+        11, "Mean step time, by daemon", "A trainer's step in its daemon (submit to result delivered), mean over "
+        "the interval.", "s",
+        [query(f"sum by (instance) (rate({sel('zen_step_duration_seconds_sum')}[{RATE}]))"
+               f" / sum by (instance) (rate({sel('zen_step_duration_seconds_count')}[{RATE}]))",
                "{{instance}}")], width=6))
     d = d.with_panel(series(
-        12, "Steps / s by scheme", "Steps synchronised per second, by the scheme that ran them.", "ops",
-        [query(f"sum by (scheme) (rate({sel('zen_steps_total')}[{RATE}]))", "{{scheme}}")], width=6))
+        12, "Tensor-steps / s by scheme", "Tensor-steps synchronised per second, by the scheme that ran them.",
+        "ops", [query(f"sum by (scheme) (rate({sel('zen_tensor_steps_total')}[{RATE}]))", "{{scheme}}")], width=6))
 
     d = d.with_row(db.Row("Bytes on the wire").id(102))
     d = d.with_panel(series(
@@ -237,10 +236,11 @@ def build() -> db.Dashboard:
         "zen_receive_pool_reuse_ratio", width=12))
     d = d.with_panel(
         table.Panel().id(45).title("Daemons").datasource(DS).span(24).height(6)
-        .description("What each daemon runs, its membership generation and when that formed (--elastic; "
-                     "0 with static membership).")
+        .description("What each daemon runs (its zend version, node, transport, membership), its membership "
+                     "generation and when that formed (--elastic; 0 with static membership).")
         .with_target(query(f"max by (instance, node, transport, ucx_transports, membership) "
-                           f"({sel('zen_node_info')})", ref="A", instant=True))
+                           f"({sel('zen_node_info')}) * on (instance) group_left (version) "
+                           f"max by (instance, version) ({sel('zen_build_info')})", ref="A", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_generation')})", ref="B", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_last_change_timestamp_seconds')}) * 1000",
                            ref="C", instant=True))

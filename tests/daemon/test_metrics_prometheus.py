@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
@@ -17,13 +19,14 @@ pytestmark = pytest.mark.skipif(prometheus_binary() is None,
                                        ".ci/run installs it)")
 
 KEY_SERIES = [
-    'zen_sync_duration_seconds_count{phase="total"} > 0',
+    "zen_step_duration_seconds_count > 0",
+    'zen_build_info{version=~".+"} == 1',
     'zen_sync_duration_seconds_count{phase="exchange"} > 0',
     "zen_sent_bytes_total > 0",
     "zen_received_bytes_total > 0",
     "zen_dense_equivalent_bytes_total > 0",
     "zen_saved_bytes_total > 0",
-    "zen_steps_total > 0",
+    "zen_tensor_steps_total > 0",
     'zen_tensor_input_rows{zen_job="metrics",tensor="emb"} > 0',
     'zen_tensor_output_rows{zen_job="metrics",tensor="emb"} > 0',
     'zen_tensor_density{zen_job="metrics",tensor="emb"} > 0',
@@ -67,3 +70,18 @@ def test_prometheus_scrapes_every_key_series(fresh_cluster, tmp_path):
                     break
                 time.sleep(0.25)
             assert instances == set(targets), f"{expr}: only {instances}"
+
+    # the phases of a step add up to it: with one trainer per node, their sums fall within the
+    # trainers' end-to-end step time (submit to result delivered), and no "total" phase double-counts
+    for port in c.metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+        samples = [s for f in families.values() for s in f.samples]
+        assert not any(s.name.endswith("_created") for s in samples), "no _created series"
+        phases = {s.labels["phase"]: s.value for s in families["zen_sync_duration_seconds"].samples
+                  if s.name.endswith("_sum")}
+        assert "total" not in phases and {"wait", "exchange", "deliver"} <= set(phases), phases
+        step = sum(s.value for s in families["zen_step_duration_seconds"].samples if s.name.endswith("_sum"))
+        steps = sum(s.value for s in families["zen_step_duration_seconds"].samples if s.name.endswith("_count"))
+        assert steps == 3, steps  # the failed step is not one
+        assert 0.5 * step <= sum(phases.values()) <= step * 1.02 + 0.005, (phases, step)

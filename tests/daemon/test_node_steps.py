@@ -160,7 +160,7 @@ def test_steps_are_recorded_by_the_metrics_owner_and_levels_read_at_scrape_time(
     run_job(2, 2, "zen", body)
     for node in nodes:
         sample = node.metrics.registry.get_sample_value
-        assert sample("zen_steps_total", {"scheme": "zen"}) == 1
+        assert sample("zen_tensor_steps_total", {"scheme": "zen"}) == 1
         assert sample("zen_sync_duration_seconds_count", {"scheme": "zen", "phase": "deliver"}) == 2
         assert sample("zen_tensor_input_rows", {"zen_job": JOB, "tensor": "emb"}) > 0
         assert sample("zen_steps_in_flight") == 0  # nothing watched: the levels read as zero

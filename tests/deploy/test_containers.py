@@ -186,14 +186,14 @@ def test_trainers_train_to_the_end_and_prometheus_sees_both_daemons(
     assert all(0 < r["wire_bytes"] < r["dense_bytes"] for r in rows), "the embedding did not go through zend"
     figures["trainer_step_ms_median"] = round(sorted(r["seconds"] for r in rows[2:])[(STEPS - 2) // 2] * 1e3, 1)
 
-    instances = {"zend-0:9400", "zend-1:9400"}
+    instances = {"zend-0:7071", "zend-1:7071"}
 
     def series(query: str) -> set[str]:
         result = prometheus_query(port, "query", query=query)["result"]
         return {r["metric"]["instance"] for r in result if float(r["value"][1]) > 0}
 
-    # zen_steps_total counts tensor-steps; both daemons' series, after the trainers' last scrape
-    wait_for("both daemons' zen_steps_total in Prometheus", lambda: series("zen_steps_total") >= instances, 60)
+    # zen_tensor_steps_total counts tensor-steps; both daemons' series, after the trainers' last scrape
+    wait_for("both daemons' tensor-steps in Prometheus", lambda: series("zen_tensor_steps_total") >= instances, 60)
     wait_for("both daemons' sent bytes in Prometheus", lambda: series("zen_sent_bytes_total") >= instances, 60)
     assert series('up{job="zend"}') >= instances
     rules = {rule["name"] for group in prometheus_query(port, "rules")["groups"] for rule in group["rules"]}

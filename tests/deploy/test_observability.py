@@ -245,7 +245,7 @@ def test_promtool_checks_the_rules_and_the_config():
     config = yaml.safe_load(PROM_CONFIG.read_text())
     assert config["rule_files"] == ["alerts.yml"]  # relative: the compose mount puts it beside the config
     (zend,) = [j for j in config["scrape_configs"] if j["job_name"] == "zend"]
-    assert zend["static_configs"][0]["targets"] == ["zend-0:9400", "zend-1:9400"]
+    assert zend["static_configs"][0]["targets"] == ["zend-0:7071", "zend-1:7071"]
 
 
 def _alert(labels: dict[str, str], summary: str, description: str) -> dict[str, Any]:
@@ -259,71 +259,72 @@ ALERT_UNIT_TESTS = {
     "tests": [{
         "interval": "1m",
         "input_series": [
-            {"series": 'up{job="zend",instance="zend-0:9400"}', "values": "1 1 0x5"},
-            {"series": 'up{job="zend",instance="zend-1:9400"}', "values": "1x6"},
-            {"series": 'zen_peer_up{job="zend",instance="zend-0:9400",peer="1"}', "values": "1 1 0x5"},
-            {"series": 'zen_peer_up{job="zend",instance="zend-1:9400",peer="0"}', "values": "1x6"},
-            {"series": 'zen_errors_total{job="zend",instance="zend-1:9400",code="UNAVAILABLE"}',
+            {"series": 'up{job="zend",instance="zend-0:7071"}', "values": "1 1 0x5"},
+            {"series": 'up{job="zend",instance="zend-1:7071"}', "values": "1x6"},
+            {"series": 'zen_peer_up{job="zend",instance="zend-0:7071",peer="1"}', "values": "1 1 0x5"},
+            {"series": 'zen_peer_up{job="zend",instance="zend-1:7071",peer="0"}', "values": "1x6"},
+            {"series": 'zen_errors_total{job="zend",instance="zend-1:7071",code="UNAVAILABLE"}',
              "values": "0+3x20"},
-            {"series": 'zen_errors_total{job="zend",instance="zend-1:9400",code="NOT_FOUND"}', "values": "5x20"},
-            {"series": 'zen_membership_generation{job="zend",instance="zend-0:9400"}', "values": "1 1 2x5"},
+            {"series": 'zen_errors_total{job="zend",instance="zend-1:7071",code="NOT_FOUND"}', "values": "5x20"},
+            {"series": 'zen_membership_generation{job="zend",instance="zend-0:7071"}', "values": "1 1 2x5"},
             # steps stop at 3m with one still open
-            {"series": 'zen_steps_in_flight{job="zend",instance="zend-1:9400"}', "values": "0 0 0 1x20"},
-            {"series": 'zen_steps_total{job="zend",instance="zend-1:9400",scheme="zen"}', "values": "0+10x3 30x20"},
+            {"series": 'zen_steps_in_flight{job="zend",instance="zend-1:7071"}', "values": "0 0 0 1x20"},
+            {"series": 'zen_tensor_steps_total{job="zend",instance="zend-1:7071",scheme="zen"}',
+             "values": "0+10x3 30x20"},
         ],
         "alert_rule_test": [
             {"eval_time": "5m", "alertname": "ZenDaemonDown", "exp_alerts": [_alert(
-                {"severity": "critical", "job": "zend", "instance": "zend-0:9400"},
-                "zend daemon zend-0:9400 is down",
-                "Prometheus has failed to scrape the zend daemon at zend-0:9400 for over a minute. Trainers on "
+                {"severity": "critical", "job": "zend", "instance": "zend-0:7071"},
+                "zend daemon zend-0:7071 is down",
+                "Prometheus has failed to scrape the zend daemon at zend-0:7071 for over a minute. Trainers on "
                 "that node cannot synchronise, and every other node's steps for the same jobs stall until the "
                 "step timeout.")]},
             {"eval_time": "5m", "alertname": "ZenPeerDown", "exp_alerts": [_alert(
-                {"severity": "critical", "job": "zend", "instance": "zend-0:9400", "peer": "1"},
-                "zend zend-0:9400 lost its link to node 1",
-                "The data-plane link from the daemon at zend-0:9400 to peer node 1 has been down for over a "
+                {"severity": "critical", "job": "zend", "instance": "zend-0:7071", "peer": "1"},
+                "zend zend-0:7071 lost its link to node 1",
+                "The data-plane link from the daemon at zend-0:7071 to peer node 1 has been down for over a "
                 "minute; steps that need that peer fail with UNAVAILABLE.")]},
             {"eval_time": "2m", "alertname": "ZenPeerDown", "exp_alerts": []},  # down, but not for 1m yet
             {"eval_time": "10m", "alertname": "ZenErrors", "exp_alerts": [_alert(
-                {"severity": "warning", "instance": "zend-1:9400", "code": "UNAVAILABLE"},
-                "zend zend-1:9400: UNAVAILABLE errors",
-                "The daemon at zend-1:9400 has been failing requests or steps with UNAVAILABLE for 5 minutes "
+                {"severity": "warning", "instance": "zend-1:7071", "code": "UNAVAILABLE"},
+                "zend zend-1:7071: UNAVAILABLE errors",
+                "The daemon at zend-1:7071 has been failing requests or steps with UNAVAILABLE for 5 minutes "
                 "(0.05 per second).")]},
             {"eval_time": "3m", "alertname": "ZenMembershipChanged", "exp_alerts": [_alert(
-                {"severity": "info", "job": "zend", "instance": "zend-0:9400"},
-                "zend zend-0:9400: cluster membership changed",
-                "The membership generation on zend-0:9400 changed 1 times in the last 10 minutes: nodes "
+                {"severity": "info", "job": "zend", "instance": "zend-0:7071"},
+                "zend zend-0:7071: cluster membership changed",
+                "The membership generation on zend-0:7071 changed 1 times in the last 10 minutes: nodes "
                 "joined or left.")]},
             {"eval_time": "7m", "alertname": "ZenStepsStalled", "exp_alerts": []},  # rate[5m] still sees steps
             {"eval_time": "15m", "alertname": "ZenStepsStalled", "exp_alerts": [_alert(
-                {"severity": "warning", "job": "zend", "instance": "zend-1:9400"},
-                "zend zend-1:9400: steps open, none finishing",
-                "1 steps have been open on zend-1:9400 with no step finished for 10 minutes; look for a stuck "
+                {"severity": "warning", "job": "zend", "instance": "zend-1:7071"},
+                "zend zend-1:7071: steps open, none finishing",
+                "1 steps have been open on zend-1:7071 with no step finished for 10 minutes; look for a stuck "
                 "trainer or a peer that never submits.")]},
         ],
     }, {
         # An hour of 60 steps a minute under 10 ms, then 30 minutes of steps between 1 and 2.5 s.
         "interval": "1m",
         "input_series": [
-            *({"series": f'zen_sync_duration_seconds_bucket{{instance="zend-0:9400",phase="total",scheme="zen",'
+            *({"series": f'zen_step_duration_seconds_bucket{{instance="zend-0:7071",scheme="zen",'
                          f'le="{le}"}}', "values": "0+60x65 3900x30"} for le in ("0.01", "0.1", "1")),
-            *({"series": f'zen_sync_duration_seconds_bucket{{instance="zend-0:9400",phase="total",scheme="zen",'
+            *({"series": f'zen_step_duration_seconds_bucket{{instance="zend-0:7071",scheme="zen",'
                          f'le="{le}"}}', "values": "0+60x95"} for le in ("2.5", "+Inf")),
         ],
         "alert_rule_test": [
             {"eval_time": "60m", "alertname": "ZenSyncTimeRegression", "exp_alerts": []},
             {"eval_time": "60m", "alertname": "ZenSyncTimeHigh", "exp_alerts": []},
             {"eval_time": "90m", "alertname": "ZenSyncTimeRegression", "exp_alerts": [_alert(
-                {"severity": "warning", "instance": "zend-0:9400"},
-                "zend zend-0:9400: p99 sync time more than doubled in an hour",
-                "The 99th percentile of a step's total sync time on zend-0:9400 is 2.485s, over twice what it "
-                "was an hour ago. Look at the dashboard's phases (wait points at trainers, exchange at the "
+                {"severity": "warning", "instance": "zend-0:7071"},
+                "zend zend-0:7071: p99 step time more than doubled in an hour",
+                "The 99th percentile of a trainer's step time in the daemon on zend-0:7071 is 2.485s, over twice "
+                "what it was an hour ago. Look at the dashboard's phases (wait points at trainers, exchange at the "
                 "network) and at push / pull imbalance.")]},
             {"eval_time": "90m", "alertname": "ZenSyncTimeHigh", "exp_alerts": [_alert(
-                {"severity": "warning", "instance": "zend-0:9400"},
-                "zend zend-0:9400: p99 sync time above 1 s",
-                "The 99th percentile of a step's total sync time on zend-0:9400 has been 2.485s for 10 minutes "
-                "(threshold 1 s).")]},
+                {"severity": "warning", "instance": "zend-0:7071"},
+                "zend zend-0:7071: p99 step time above 1 s",
+                "The 99th percentile of a trainer's step time in the daemon on zend-0:7071 has been 2.485s for 10 "
+                "minutes (threshold 1 s).")]},
         ],
     }],
 }

@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from zend import __version__
 from zend.core.comm import Communicator
 
 if TYPE_CHECKING:
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 
     from zend.daemon.node_steps import StepOutcome
 
-PHASES = ("wait", "local_sum", "agree", "exchange", "deliver", "total")
+# the phases of a step on this node: they add up to a step's time there, so sums over `phase` hold;
+# the time a trainer waits on the daemon, end to end, is zen_step_duration_seconds
+PHASES = ("wait", "local_sum", "agree", "exchange", "commit", "deliver")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -80,21 +83,27 @@ class _LevelCollector(Collector):
 
 class DaemonMetrics:
     def __init__(self, node: int, max_tensors: int = 64):
+        disable_created_metrics()  # a `_created` series per counter doubles the series and nothing reads them
         self.registry = CollectorRegistry()
         self.max_tensors = max_tensors
         self._tensors: set[str] = set()
         self._last_scheme: dict[tuple[str, str], str] = {}  # (job, tensor) -> the scheme of its last step
         self._lock = threading.Lock()
         r = self.registry
-        self.sync_seconds = Histogram("zen_sync_duration_seconds", "Time of one step on this node, by phase",
+        self.sync_seconds = Histogram("zen_sync_duration_seconds",
+                                      "Time of one step on this node, by phase (the phases add up to the step)",
                                       ["scheme", "phase"], buckets=BUCKETS, registry=r)
+        self.step_seconds = Histogram("zen_step_duration_seconds",
+                                      "One trainer's step in the daemon, end to end: from its submit to its result "
+                                      "written into its buffer", ["scheme"], buckets=BUCKETS, registry=r)
         self.bytes_sent = Counter("zen_sent_bytes", "Data-plane payload bytes sent, by peer", ["peer"], registry=r)
         self.bytes_received = Counter("zen_received_bytes", "Data-plane payload bytes received, by peer", ["peer"],
                                       registry=r)
         self.dense_bytes = Counter("zen_dense_equivalent_bytes",
                                    "Bytes a dense ring allreduce would have sent for the same steps", registry=r)
         self.saved_bytes = Counter("zen_saved_bytes", "Dense-equivalent bytes minus bytes really sent", registry=r)
-        self.steps = Counter("zen_steps", "Steps synchronised, by scheme", ["scheme"], registry=r)
+        self.steps = Counter("zen_tensor_steps", "Tensor-steps synchronised on this node (one per tensor and step; "
+                             "a DDP step of k buckets counts k), by scheme", ["scheme"], registry=r)
         self.errors = Counter("zen_errors", "Failed requests and steps, by gRPC status code", ["code"], registry=r)
         per_tensor = ["zen_job", "tensor"]
         self.nnz_in = Gauge("zen_tensor_input_rows", "Non-zero rows this node contributed at the last step",
@@ -115,6 +124,9 @@ class DaemonMetrics:
         self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
                           ["node", "transport", "ucx_transports", "membership"], registry=r)
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
+        self.build_info = Gauge("zen_build_info", "Constant 1, labelled with the zend version", ["version"],
+                                registry=r)
+        self.build_info.labels(__version__).set(1)
         self.membership_changed = Gauge("zen_membership_last_change_timestamp_seconds",
                                         "Unix time this node's current generation formed (--elastic)", registry=r)
         self._levels = _LevelCollector()
@@ -137,11 +149,14 @@ class DaemonMetrics:
         """One trainer's result written into its buffer."""
         self.sync_seconds.labels(scheme=scheme, phase="deliver").observe(seconds)
 
+    def record_trainer_step(self, scheme: str, seconds: float) -> None:
+        """One trainer's submit answered with its result in its buffer."""
+        self.step_seconds.labels(scheme=scheme).observe(seconds)
+
     def record_step(self, job: str, tensor_name: str, outcome: StepOutcome) -> None:
         """A step of a tensor that succeeded on this node."""
         for phase, seconds in outcome.phases.items():
             self.sync_seconds.labels(scheme=outcome.scheme, phase=phase).observe(seconds)
-        self.sync_seconds.labels(scheme=outcome.scheme, phase="total").observe(outcome.seconds)
         self.steps.labels(scheme=outcome.scheme).inc()
         self.dense_bytes.inc(outcome.dense_bytes)
         self.saved_bytes.inc(max(0, outcome.dense_bytes - outcome.bytes_sent))
@@ -175,7 +190,11 @@ class DaemonMetrics:
         return _CountingCommunicator(comm, self)
 
     def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # name the port: "Address already in use" alone does not say which
+            raise OSError(exc.errno, f"metrics port {port} on {host}: {exc.strerror} (set --metrics-port, "
+                                     "0 turns metrics off)") from exc
 
 
 class _CountingCommunicator(Communicator):

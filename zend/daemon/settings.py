@@ -57,7 +57,7 @@ class Settings:
     drain_timeout_s: float = 30.0
     claim_timeout_s: float = 60.0        # an opened session must connect its buffer socket within this
     # observability
-    metrics_port: int = 9400             # 0 turns the Prometheus endpoint off
+    metrics_port: int = 7071             # 0 turns it off; beside 7000/7001/7070 (9400 is the DCGM exporter's)
     metrics_host: str = "0.0.0.0"
     log_format: str = "json"             # json or text
     log_level: str = "INFO"

@@ -99,6 +99,7 @@ class TrainerSteps:
     def submit(self, session: Session, tid: int, step_no: int, input_ref: BufferRef, nnz: int, result_ref: BufferRef,
                wait_s: float) -> StepOutcome:
         """Sum this trainer's part with every other trainer's; the outcome once it is in `result_ref`."""
+        submitted = time.perf_counter()
         state = self.registry.tensor(session.job, tid)
         buf = self._input_buffer(session, state.spec, input_ref, nnz)
         out = self._buffer(session, result_ref[0], "result")
@@ -112,6 +113,7 @@ class TrainerSteps:
             raise step.error
         outcome: StepOutcome = step.result
         self._deliver(state.spec, outcome, out, result_ref)
+        self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - submitted)
         return outcome
 
     def _buffer(self, session: Session, buffer_id: str, what: str) -> Buffer:
