@@ -5,15 +5,19 @@ the Kubernetes schemas bundled in kubernetes-validate, for the oldest Kubernetes
 support (1.29: native sidecars on by default, the pod-index label) and the newest bundled. The
 PodMonitor is a prometheus-operator CRD whose schema is not bundled: it gets a structural check
 of its own here (its apiVersion, a selector that matches every pod running zend, a port that
-exists on them). Beyond the schemas, the checks tie the manifests to the code: zend's settings
-resolve from each pod's environment and the ConfigMap, the probes hit the gRPC port zend
-listens on, the cluster secret arrives as a file, and the DaemonSet's rank step works.
+exists on them, the job label it gives fires the alert rules, with promtool). Beyond the schemas,
+the checks tie the manifests to the code: zend's settings resolve from each pod's environment and
+the ConfigMap, the probes hit the gRPC port zend listens on, the cluster secret arrives as a file,
+and the DaemonSet's rank step works.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -24,11 +28,14 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')")
 import yaml  # noqa: E402  (a dependency of kubernetes-validate)
 
+from zend.daemon.membership import NODE_RANK_VARIABLES  # noqa: E402
 from zend.daemon.secret import SecretError, load_secret  # noqa: E402
 from zend.daemon.settings import ENV_PREFIX, FIELDS, resolve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+PROMTOOL = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
 VERSIONS = ("1.29", "1.37")  # the oldest supported; the newest kubernetes-validate 1.37.0 bundles
 CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}  # no bundled schema: checked structurally below
 IMAGE = "ghcr.io/zen-sync/zend:0.1.0"
@@ -38,6 +45,7 @@ FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.namespace": "zen", "spec.n
                 "metadata.labels['apps.kubernetes.io/pod-index']": "1",
                 "metadata.annotations['batch.kubernetes.io/job-completion-index']": "1"}
 RANK0_NODE_IP = "192.0.2.10"
+JOB_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
 def load(name: str) -> list[dict[str, Any]]:
@@ -73,7 +81,8 @@ def zend_container(spec: dict[str, Any]) -> dict[str, Any]:
 def workloads() -> dict[str, dict[str, Any]]:
     return {"daemonset.yaml": one("daemonset.yaml", "DaemonSet"),
             "daemonset-hostnetwork.yaml": one("daemonset-hostnetwork.yaml", "DaemonSet"),
-            "sidecar-statefulset.yaml": one("sidecar-statefulset.yaml", "StatefulSet")}
+            "sidecar-statefulset.yaml": one("sidecar-statefulset.yaml", "StatefulSet"),
+            "sidecar-job.yaml": one("sidecar-job.yaml", "Job")}
 
 
 def config_toml() -> str:
@@ -107,10 +116,19 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+def pod_env(workload: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """env_of, plus what an Indexed Job's controller appends to every container (init ones too):
+    JOB_COMPLETION_INDEX, from the pod's index annotation, unless the container sets it."""
+    env = env_of(container)
+    if workload["kind"] == "Job" and workload["spec"].get("completionMode") == "Indexed":
+        env.setdefault("JOB_COMPLETION_INDEX", FIELD_VALUES[JOB_INDEX])
+    return env
+
+
 def zend_settings(name: str, workload: dict[str, Any], tmp_path: Path) -> Any:
     """zend's settings in this workload's pod: its environment, and the file ZEND_CONFIG names."""
     spec = pod_spec(workload)
-    env = env_of(zend_container(spec))
+    env = pod_env(workload, zend_container(spec))
     config = tmp_path / f"{name}.toml"
     if env["ZEND_CONFIG"] == "/etc/zend/zend.toml":
         config.write_text(config_toml())
@@ -177,6 +195,7 @@ def test_the_expected_resources_are_there() -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for _, _, d in DOCS}
     assert {("Namespace", "zen"), ("ConfigMap", "zend-config"), ("Secret", "zen-cluster-secret"),
             ("DaemonSet", "zend"), ("StatefulSet", "zen-trainer"), ("Service", "zen-trainer"),
+            ("Job", "zen-trainer-job"), ("Service", "zen-trainer-job"),
             ("PodMonitor", "zend"), ("ServiceAccount", "zend"), ("ClusterRole", "zend-node-reader"),
             ("ClusterRoleBinding", "zend-node-reader")} <= kinds
     for _, _, doc in DOCS:
@@ -199,11 +218,67 @@ def test_podmonitor_scrapes_every_zend_pod_on_its_metrics_port(tmp_path: Path) -
         port = ports(zend_container(pod_spec(workload))).get(endpoint["port"])
         assert port is not None, f"{name}: zend has no port named {endpoint['port']!r}"
         assert port["containerPort"] == zend_settings(name, workload, tmp_path).metrics_port
+        assert port["containerPort"] != 9400, f"{name}: 9400 is the NVIDIA DCGM exporter's port on GPU nodes"
     for name in FILES:  # pods without zend are not selected
         for doc in load(name):
             if doc["kind"] in ("Job", "Deployment") and name not in workloads():
                 labels = doc["spec"]["template"]["metadata"].get("labels", {})
                 assert not selector["matchLabels"].items() <= labels.items(), f"{name} has no zend to scrape"
+
+
+def scrape_job(monitor: dict[str, Any], pod_labels: dict[str, str]) -> str:
+    """The job label prometheus-operator gives a PodMonitor's targets on a pod with these labels:
+    the value of the pod label spec.jobLabel names, where that is set and not empty, else
+    "<namespace>/<PodMonitor name>"."""
+    default = f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
+    label = monitor["spec"].get("jobLabel")
+    return (pod_labels.get(label) or default) if label else default
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package 'prometheus')")
+def test_zen_daemon_down_fires_on_the_job_label_the_podmonitor_gives(tmp_path: Path) -> None:
+    monitor = one("podmonitor.yaml", "PodMonitor")
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    [rule] = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]
+              if r.get("alert") == "ZenDaemonDown"]
+    series, expected = [], []
+    for i, workload in enumerate(workloads().values()):
+        pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+        zend = zend_container(pod_spec(workload))
+        # the target labels the operator writes for a PodMonitor: job, instance, namespace, pod, container
+        labels = {"job": scrape_job(monitor, pod_labels),
+                  "instance": f"10.1.2.{i + 1}:{ports(zend)[endpoint['port']]['containerPort']}",
+                  "namespace": workload["metadata"]["namespace"], "pod": f"{workload['metadata']['name']}-{i}",
+                  "container": zend["name"], "endpoint": endpoint["port"]}
+        text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        series.append({"series": f"up{{{text}}}", "values": "1 1 0x5"})  # scraped, then down from 2m
+        firing = {**labels, **rule["labels"], "alertname": rule["alert"], "alertstate": "firing"}
+        expected.append({"labels": "ALERTS{" + ",".join(f'{k}="{v}"' for k, v in firing.items()) + "}",
+                         "value": 1})
+    tests = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+             "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": [
+                 {"expr": f'ALERTS{{alertname="{rule["alert"]}",alertstate="firing"}}', "eval_time": "5m",
+                  "exp_samples": expected}]}]}
+    path = tmp_path / "podmonitor_alerts_test.yml"
+    path.write_text(json.dumps(tests, indent=1))  # JSON is YAML
+    assert PROMTOOL is not None
+    run = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (f"{rule['alert']} ({rule['expr']}) does not fire on the PodMonitor's targets, "
+                                 f"{[s['series'] for s in series]}:\n{run.stdout}{run.stderr}")
+
+
+def test_podmonitor_relabelings_keep_zends_own_labels() -> None:
+    from zend.daemon.metrics import DaemonMetrics
+
+    own = {label for metric in vars(DaemonMetrics(0)).values() for label in getattr(metric, "_labelnames", ())}
+    assert "node" in own, "zen_node_info{node}: the daemon's labels are read here"
+    monitor = one("podmonitor.yaml", "PodMonitor")
+    targets = {r["targetLabel"] for e in monitor["spec"]["podMetricsEndpoints"] for r in e.get("relabelings", [])
+               if "targetLabel" in r}
+    assert "node" not in targets, "Prometheus would rename zen_node_info's node to exported_node"
+    assert not targets & own, f"relabelled onto zend's own labels (they become exported_*): {targets & own}"
+    # the operator's own target labels: job comes from jobLabel (scrape_job above reads it there)
+    assert not targets & {"job", "instance", "namespace", "pod", "container", "endpoint"}
 
 
 # ---------------------------------------------------------------------------------- settings
@@ -243,6 +318,10 @@ def test_zend_resolves_its_settings_in_the_pod(name: str, tmp_path: Path) -> Non
         sts, service = workload["metadata"]["name"], workload["spec"]["serviceName"]
         assert store_host == f"{sts}-0.{service}.{FIELD_VALUES['metadata.namespace']}.svc"
         assert s.world_size == workload["spec"]["replicas"]
+    elif workload["kind"] == "Job":  # indexed pods are named <job>-<index>, in DNS under their subdomain
+        job, subdomain = workload["metadata"]["name"], spec["subdomain"]
+        assert store_host == f"{job}-0.{subdomain}.{FIELD_VALUES['metadata.namespace']}.svc"
+        assert s.world_size == workload["spec"]["completions"]
     else:
         assert store_host == RANK0_NODE_IP and s.world_size == 2
         assert spec.get("hostNetwork", False) or own["zen-rdzv"]["hostPort"] == int(store_port), \
@@ -368,6 +447,51 @@ def test_the_sidecar_statefulset(tmp_path: Path) -> None:
     assert "emptyDir" in next(v for v in spec["volumes"] if v["name"] == zend_mount["name"])
     assert ZEND_UID in spec["securityContext"]["supplementalGroups"]
     assert not spec.get("hostIPC") and not spec.get("hostNetwork"), "a pod shares its IPC namespace already"
+
+
+def test_the_sidecar_job(tmp_path: Path) -> None:
+    job = one("sidecar-job.yaml", "Job")
+    spec = pod_spec(job)
+    s = zend_settings("sidecar-job.yaml", job, tmp_path)
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == s.world_size, "every node at once"
+    assert spec["restartPolicy"] == "Never" or (spec["restartPolicy"] == "OnFailure" and "backoffLimit" in job["spec"])
+    assert job["spec"]["backoffLimit"] == 0, "a pod retried alone cannot rejoin its peers"
+    # zend as a native sidecar: the pod completes when the trainer exits
+    zend = zend_container(spec)
+    assert zend in spec["initContainers"] and zend["restartPolicy"] == "Always", "a native sidecar"
+    assert spec["automountServiceAccountToken"] is False
+    # the node rank is the completion index: --rendezvous env, no variable that would win over it
+    zend_env = env_of(zend)
+    assert zend_env["ZEND_RENDEZVOUS"] == "env" and "ZEND_RANK" not in zend_env
+    first_set = next(v for v in NODE_RANK_VARIABLES if pod_env(job, zend).get(v))
+    assert first_set == "JOB_COMPLETION_INDEX" and s.rank == int(FIELD_VALUES[JOB_INDEX])
+    # stable hostnames: the headless Service named as the pods' subdomain, selecting them
+    service = one("sidecar-job.yaml", "Service")
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert service["metadata"]["name"] == spec["subdomain"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= labels.items()
+    pod_ports = {p["name"] for c in containers(spec) for p in c.get("ports", [])}
+    for port in service["spec"]["ports"]:
+        assert isinstance(port["targetPort"], int) or port["targetPort"] in pod_ports
+    store = f"{job['metadata']['name']}-0.{spec['subdomain']}.{FIELD_VALUES['metadata.namespace']}.svc"
+    assert s.rendezvous == f"{store}:{ports(zend)['zen-rdzv']['containerPort']}"
+    # the trainer: the same rank and world, MASTER_ADDR on index 0's pod
+    [trainer] = spec["containers"]
+    trainer_env_checks(trainer, s.socket_dir)
+    env = env_of(trainer)
+    assert int(env["WORLD_SIZE"]) == s.world_size and env["RANK"] == str(s.rank)
+    assert env["MASTER_ADDR"] == s.rendezvous.rpartition(":")[0]
+    # the sidecar StatefulSet's volumes, mounts and security, unchanged
+    sts = pod_spec(one("sidecar-statefulset.yaml", "StatefulSet"))
+    assert spec["volumes"] == sts["volumes"]
+    assert zend["volumeMounts"] == zend_container(sts)["volumeMounts"]
+    assert trainer["volumeMounts"] == sts["containers"][0]["volumeMounts"]
+    assert spec["securityContext"] == sts["securityContext"]
+    for key in ("securityContext", "ports", "startupProbe", "readinessProbe", "livenessProbe", "resources", "image"):
+        assert zend[key] == zend_container(sts)[key], key
+    assert not spec.get("hostIPC") and not spec.get("hostNetwork")
 
 
 @pytest.mark.parametrize("name", ["daemonset.yaml", "daemonset-hostnetwork.yaml"])
