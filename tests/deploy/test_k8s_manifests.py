@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ K8S = ROOT / "deploy" / "k8s"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 PROMTOOL = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
 VERSIONS = ("1.29", "1.37")  # the oldest supported; the newest kubernetes-validate 1.37.0 bundles
-CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}  # no bundled schema: checked structurally below
+CRDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}  # no bundled
+# schema: checked structurally below
 IMAGE = "ghcr.io/zen-sync/zend:0.1.0"
 ZEND_UID = 10001
 # what the downward API would give a pod: the second pod / node of the cluster
@@ -196,7 +198,8 @@ def test_the_expected_resources_are_there() -> None:
     assert {("Namespace", "zen"), ("ConfigMap", "zend-config"), ("Secret", "zen-cluster-secret"),
             ("DaemonSet", "zend"), ("StatefulSet", "zen-trainer"), ("Service", "zen-trainer"),
             ("Job", "zen-trainer-job"), ("Service", "zen-trainer-job"),
-            ("PodMonitor", "zend"), ("ServiceAccount", "zend"), ("ClusterRole", "zend-node-reader"),
+            ("PodMonitor", "zend"), ("PrometheusRule", "zend"), ("ServiceAccount", "zend"),
+            ("ClusterRole", "zend-node-reader"),
             ("ClusterRoleBinding", "zend-node-reader")} <= kinds
     for _, _, doc in DOCS:
         if doc["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -593,3 +596,16 @@ def test_the_daemonset_init_steps_read_and_write_where_zend_looks() -> None:
     shared = mounts[out.rpartition("/")[0]]
     assert "emptyDir" in volumes[shared]
     assert any(m["name"] == shared and m["mountPath"] == out.rpartition("/")[0] for m in zend["volumeMounts"])
+
+
+def test_the_prometheusrule_holds_exactly_the_compose_alert_rules(tmp_path: Path) -> None:
+    rule = one("prometheusrule.yaml", "PrometheusRule")
+    assert rule["metadata"]["namespace"] == one("podmonitor.yaml", "PodMonitor")["metadata"]["namespace"]
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+    check = subprocess.run([sys.executable, str(K8S / "build_prometheusrule.py"), "--check"], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stderr
+    if PROMTOOL is not None:  # the rules promtool reads out of the manifest are valid rules
+        (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        run = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True)
+        assert run.returncode == 0, run.stdout + run.stderr
