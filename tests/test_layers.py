@@ -26,7 +26,7 @@ ALLOWED = {
     "zend.protocol": {"zend.api", "zend.buffers", "zend.core"},
     "zend.daemon": {"zend.api", "zend.buffers", "zend.core", "zend.protocol", "zend.runtime", "zend.transport"},
     "zend.simulator": {"zend.core", "zend.runtime", "zend.transport"},
-    "zend.cluster": {"zend.core", "zend.daemon", "zend.protocol", "zend.simulator"},
+    "zend.cluster": {"zend.core", "zend.daemon", "zend.protocol", "zend.runtime", "zend.simulator"},
     "zen": {"zend.core", "zend.protocol"},
 }
 # what pure algorithm code must never reach: the network, gRPC, metrics, processes

@@ -4,19 +4,20 @@
 - zend.cluster.command: `cluster` (N daemons on this machine);
 - zend.simulator.command: `simulate` (every scheme in one process).
 Each `add_commands(subparsers)` gives its parsers a `run(args) -> exit code`.
+
+Building the parser must stay cheap: `zend --help`, `zend --version` and `zend token` build all of
+it, so the command modules import torch, numpy, numba and gRPC only inside the `run` that needs
+them (tests/test_cli_ergonomics.py checks; benchmarks/cli_startup.py times it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from zend.cluster import command as cluster_command
-from zend.daemon import commands as daemon_commands
-from zend.simulator import command as simulator_command
-
-CONTRIBUTORS = (simulator_command, daemon_commands, cluster_command)
+CONTRIBUTORS = ("zend.simulator.command", "zend.daemon.commands", "zend.cluster.command")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zend", description="zen: sparse gradient synchronisation (ZEN scheme)")
     parser.add_argument("--version", action="version", version=f"zend {daemon_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for contributor in CONTRIBUTORS:
-        contributor.add_commands(sub)
+    for name in CONTRIBUTORS:  # imported when the parser is built, not when zend.cli is imported
+        importlib.import_module(name).add_commands(sub)
     return parser
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from typing import Any
 
 from zend.daemon.settings import FIELDS, SettingsError, resolve
@@ -47,10 +48,14 @@ def add_commands(sub: Any) -> None:
                            help=f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
                            if f.name != "peers" else HELP["peers"])
     serve.set_defaults(run=cmd_serve)
-    status = sub.add_parser("status", help="show a running daemon's members, peers, tensors and steps")
+    status = sub.add_parser("status", help="show a running daemon's members, peers, tensors and steps",
+                            description="Show a running daemon's node, generation, peers, trainer sessions and "
+                                        "tensors as tables; --json prints the Status reply (zen.v1.StatusReply, "
+                                        "every field by its proto name, numbers as JSON numbers) for scripts.")
     _add_daemon_address(status)
     status.add_argument("--drain", type=float, default=None, metavar="SECONDS",
                         help="ask the daemon to drain (finish steps in flight, refuse new ones)")
+    status.add_argument("--json", action="store_true", help="print the reply as JSON instead of tables")
     status.set_defaults(run=cmd_status)
     health = sub.add_parser("health", help="exit 0 if the daemon's grpc.health.v1 check says SERVING (probes)")
     _add_daemon_address(health)
@@ -63,7 +68,9 @@ def add_commands(sub: Any) -> None:
     store.set_defaults(run=cmd_store)
     token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon)")
     token.add_argument("--job", required=True)
-    token.add_argument("--secret-file", default=None)
+    token.add_argument("--secret-file", default=None,
+                       help="file with the cluster secret (default $ZEN_CLUSTER_SECRET_FILE, else the secret "
+                            "itself from $ZEN_CLUSTER_SECRET)")
     token.set_defaults(run=cmd_token)
 
 
@@ -121,7 +128,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from zend.api.zen.v1 import zen_pb2 as pb
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
@@ -137,9 +143,86 @@ def cmd_status(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"zend status: daemon at {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True,
-                                   always_print_fields_with_no_presence=True), indent=1))
+    if args.json:
+        print(json.dumps(message_dict(reply), indent=1))
+    elif args.drain is not None:
+        print(f"zend status: {address} drained: {reply.completed} steps completed, {reply.abandoned} abandoned")
+    else:
+        print(format_status(reply))
     return 0
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """Every field of a proto message by its proto name, numbers as numbers and enums by name.
+
+    Not json_format.MessageToDict: proto3's JSON mapping writes 64-bit integers as strings
+    (generation "1", steps "3"), which scripts then have to convert back.
+    """
+
+    def value(field: Any, v: Any) -> Any:
+        if field.type == field.TYPE_MESSAGE:
+            return message_dict(v)
+        if field.type == field.TYPE_ENUM:
+            known = field.enum_type.values_by_number.get(v)
+            return known.name if known is not None else v  # a value newer than these stubs
+        return v
+
+    return {f.name: [value(f, v) for v in getattr(message, f.name)] if f.is_repeated
+            else value(f, getattr(message, f.name)) for f in message.DESCRIPTOR.fields}
+
+
+def format_status(reply: Any) -> str:
+    """A StatusReply as a person reads it: the node, then a table each of peers, sessions and tensors."""
+    state = "DRAINING" if reply.draining else "serving"
+    ucx = f" ({', '.join(reply.ucx_transports)})" if reply.ucx_transports else ""
+    lines = [f"node {reply.node_rank} of {reply.node_count}, generation {reply.generation}, cluster "
+             f"{reply.cluster_id!r}, zend {reply.daemon_version}: {state}",
+             f"membership {reply.membership}; transport {reply.transport}{ucx}; {reply.steps_in_flight} steps in "
+             f"flight; shared buffers {_mb(reply.buffer_pool_bytes)}"]
+    if reply.last_membership_change:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reply.last_membership_change_unix))
+        lines.append(f"last membership change {when}: {reply.last_membership_change}")
+    lines += ["", *_table(f"peers ({len(reply.peers)})", ["rank", "address", "state"],
+                          [[p.rank, p.address, "connected" if p.connected else f"down: {p.error or '?'}"]
+                           for p in reply.peers])]
+    lines += ["", *_table(f"sessions ({len(reply.sessions)})", ["session", "job", "local rank", "pid", "buffers"],
+                          [[x.session_id, x.job_id, x.local_rank, x.pid, _mb(x.buffer_bytes)]
+                           for x in reply.sessions])]
+    lines += ["", *_table(f"tensors ({len(reply.tensors)})",
+                          ["job", "tensor", "id", "shape", "dtype", "layout", "scheme", "steps", "last step",
+                           "sync ms", "rows in", "rows out", "sent", "push/pull"],
+                          [[t.job_id, t.name, t.tensor_id, "x".join(map(str, t.shape)),
+                            _enum_name(t, "dtype").lower(), _enum_name(t, "layout").lower(), t.scheme, t.steps,
+                            *([t.last_step, f"{t.last_sync_seconds * 1e3:.1f}", t.last_nnz_in, t.last_nnz_out,
+                               _mb(t.last_bytes_sent), f"{t.last_push_imbalance:.2f}/{t.last_pull_imbalance:.2f}"]
+                              if t.steps else ["-"] * 6)]  # "0" would claim a step 0 that never ran
+                           for t in reply.tensors])]
+    return "\n".join(lines)
+
+
+# right-aligned in `zend status`'s tables: numbers, sizes and ratios; the rest is text, left-aligned
+NUMERIC_COLUMNS = frozenset({"rank", "local rank", "pid", "buffers", "id", "shape", "steps", "last step", "sync ms",
+                             "rows in", "rows out", "sent", "push/pull"})
+
+
+def _table(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:
+    """Columns as wide as their widest cell, under a title line."""
+    if not rows:
+        return [f"{title}: none"]
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return [f"{title}:", *("  ".join(c.rjust(w) if name in NUMERIC_COLUMNS else c.ljust(w)
+                                     for c, w, name in zip(row, widths, header, strict=True)).rstrip()
+                           for row in cells)]
+
+
+def _enum_name(message: Any, field: str) -> str:
+    enum = message.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number.get(getattr(message, field))
+    return enum.name if enum is not None else str(getattr(message, field))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -185,6 +268,5 @@ def cmd_token(args: argparse.Namespace) -> int:
         print(job_token(load_secret(args.secret_file), args.job))
     except (OSError, SecretError) as exc:
         print(f"zend token: {exc}", file=sys.stderr)
-        return 1
+        return 2  # as `zend serve` without a usable secret: a setting to fix, not a failure to retry
     return 0
-

@@ -24,10 +24,10 @@ from zend.daemon.errors import (
     UNAUTHENTICATED,
     StepError,
 )
-from zend.protocol.layout import TensorSpec
 
 if TYPE_CHECKING:
     from zend.daemon.node_steps import StepOutcome
+    from zend.protocol.layout import TensorSpec  # imports torch, which `zend token` (job_token) need not load
 
 MAX_JOB_ID = 128
 

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from zend import __version__
 from zend.core.comm import Communicator
+from zend.protocol.version import daemon_version
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +126,7 @@ class DaemonMetrics:
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
         self.build_info = Gauge("zen_build_info", "Constant 1, labelled with the zend version", ["version"],
                                 registry=r)
-        self.build_info.labels(__version__).set(1)
+        self.build_info.labels(daemon_version()).set(1)
         self.membership_changed = Gauge("zen_membership_last_change_timestamp_seconds",
                                         "Unix time this node's current generation formed (--elastic)", registry=r)
         self._levels = _LevelCollector()

@@ -27,9 +27,13 @@ def load_secret(path: str | None = None) -> bytes:
         with open(path, "rb") as f:
             secret = f.read().strip()
         source = f"file {path}"
-    else:
-        secret = os.environ.get(SECRET_ENV, "").encode()
+    elif os.environ.get(SECRET_ENV):
+        secret = os.environ[SECRET_ENV].encode()
         source = f"${SECRET_ENV}"
+    else:  # nothing to measure: say where a secret goes, not that it is 0 bytes
+        raise SecretError(f"no cluster secret is set: give --secret-file FILE, or set ${SECRET_FILE_ENV} to a "
+                          f"file holding it or ${SECRET_ENV} to the secret itself (at least {MIN_SECRET_BYTES} "
+                          "bytes, the same on every node)")
     if len(secret) < MIN_SECRET_BYTES:
         raise SecretError(f"cluster secret from {source} is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are "
                           "required")

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from zend.core.schemes import SCHEMES
 from zend.protocol import paths
 from zend.transport import parse_uri
 
@@ -151,6 +150,8 @@ def _from_environment(values: dict[str, Any], sources: dict[str, str], env: Mapp
 
 
 def validate(s: Settings) -> None:
+    from zend.core.schemes import SCHEMES  # imports torch: here, so that building `zend`'s parser does not
+
     def bad(name: str, why: str) -> SettingsError:
         return SettingsError(f"setting {name}={getattr(s, name)!r} (from {s.sources.get(name, 'default')}): {why}")
 

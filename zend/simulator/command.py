@@ -7,10 +7,15 @@ import json
 import time
 from typing import Any
 
-from zend.core import dtypes
-from zend.core.schemes import SCHEMES
-from zend.simulator.simulation import DEFAULT_SCHEMES, DEFAULT_WORLD_SIZES
-from zend.simulator.traces import GPT2_VOCAB
+from zend.runtime.arguments import LazyChoices
+
+# torch, numpy and numba only inside cmd_simulate and the argument checks: `zend --help` builds this parser too
+
+
+def _dtype_names() -> list[str]:
+    from zend.core import dtypes
+
+    return sorted(dtypes.BY_SHORT)
 
 
 def _int_list(text: str) -> list[int]:
@@ -24,6 +29,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def _scheme_list(text: str) -> list[str]:
+    from zend.core.schemes import SCHEMES
+
     names = [x for x in text.split(",") if x]
     unknown = [x for x in names if x not in SCHEMES]
     if unknown or not names:
@@ -48,13 +55,15 @@ def add_commands(sub: Any) -> None:
                                      "and print the bottleneck traffic per scheme.")
     sim.add_argument("--tokens", default=None,
                      help=".npy of integer token ids (default: Jane Austen in GPT-2 BPE, bundled)")
-    sim.add_argument("--vocab", type=int, default=None, help=f"vocabulary size = embedding rows (default {GPT2_VOCAB})")
+    sim.add_argument("--vocab", type=int, default=None,
+                     help="vocabulary size = embedding rows (default: GPT-2's, that of the bundled trace)")
     sim.add_argument("--batch", type=_batch, default=(8, 512), help="sequences x tokens per worker (default 8x512)")
     sim.add_argument("--dim", type=int, default=64, help="embedding width: values per row (default 64)")
-    sim.add_argument("--dtype", choices=sorted(dtypes.BY_SHORT), default="fp32")
-    sim.add_argument("--nodes", type=_int_list, default=list(DEFAULT_WORLD_SIZES),
+    sim.add_argument("--dtype", choices=LazyChoices(_dtype_names), metavar="DTYPE", default="fp32",
+                     help="value type: %(choices)s (default %(default)s)")
+    sim.add_argument("--nodes", type=_int_list, default=None,
                      help="comma-separated world sizes (default 4,8,16,32,64,128)")
-    sim.add_argument("--schemes", type=_scheme_list, default=list(DEFAULT_SCHEMES))
+    sim.add_argument("--schemes", type=_scheme_list, default=None, help="comma-separated schemes (default: all)")
     sim.add_argument("--steps", type=int, default=2, help="steps per world size; bytes are averaged (default 2)")
     sim.add_argument("--seed", type=int, default=0, help="seeds the batches and the hash")
     sim.add_argument("--method", choices=["auto", "exact", "model"], default="auto",
@@ -65,9 +74,10 @@ def add_commands(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from zend.core import dtypes
     from zend.runtime.tuning import tune_allocator
-    from zend.simulator.simulation import as_json_rows, format_table, simulate
-    from zend.simulator.traces import TokenTrace, default_tokens_path, load_tokens
+    from zend.simulator.simulation import DEFAULT_SCHEMES, DEFAULT_WORLD_SIZES, as_json_rows, format_table, simulate
+    from zend.simulator.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
 
     if args.dim < 1 or args.steps < 1:
         raise SystemExit(f"zend simulate: --dim {args.dim} and --steps {args.steps} must be at least 1")
@@ -84,8 +94,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise SystemExit(f"zend simulate: {exc}") from None
     tune_allocator()
     start = time.perf_counter()
-    rows = simulate(trace, args.nodes, args.schemes, args.dim, dtypes.BY_SHORT[args.dtype].torch, args.steps,
-                    args.seed, args.method)
+    rows = simulate(trace, args.nodes or DEFAULT_WORLD_SIZES, args.schemes or DEFAULT_SCHEMES, args.dim,
+                    dtypes.BY_SHORT[args.dtype].torch, args.steps, args.seed, args.method)
     if args.json:
         print(json.dumps(as_json_rows(rows), indent=1))
     else:
