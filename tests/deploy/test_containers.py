@@ -34,7 +34,8 @@ ZEND_IMAGE, PROMETHEUS_IMAGE = "zen-ci-zend:test", "zen-ci-prometheus:test"
 STEPS = 30
 WHEELHOUSE = "build/wheelhouse"  # inside the build context, which is the repository
 
-pytestmark = [pytest.mark.docker,
+# pytest-timeout counts the fixtures' setup: the first test builds the base, the wheelhouse and both images
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800),
               pytest.mark.skipif(docker_host.why_no_docker() is not None, reason=str(docker_host.why_no_docker()))]
 
 
