@@ -45,9 +45,11 @@ class Compose:
     def __init__(self, name: str, env: dict[str, str]):
         self.name, self.env = name, {**os.environ, **env}
 
+    def argv(self, *args: str) -> list[str]:
+        return ["docker-compose", "-p", self.name, "-f", str(ROOT / "docker-compose.yml"), *args]
+
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-        run = subprocess.run(["docker-compose", "-p", self.name, "-f", str(ROOT / "docker-compose.yml"), *args],
-                             capture_output=True, text=True, timeout=timeout, env=self.env, cwd=ROOT)
+        run = subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout, env=self.env, cwd=ROOT)
         if check and run.returncode != 0:
             raise RuntimeError(f"docker-compose {' '.join(args[:2])} failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
         return run
@@ -158,10 +160,9 @@ def test_trainer_containers_get_the_exact_sum_through_the_daemons_memfd_buffers(
     compose, _, _ = stack
     check = ROOT / "tests/deploy/sum_check.py"
     procs = [subprocess.Popen(
-        ["docker-compose", "-p", compose.name, "-f", str(ROOT / "docker-compose.yml"), "run", "--rm", "-T",
-         "--no-deps", "-e", f"RANK={rank}", "-e", "ZEN_JOB=deploy-check", "-v", f"{check}:/check/sum_check.py:ro",
-         "--entrypoint", "sh", f"trainer-{rank}", "-c",
-         "export ZEN_JOB_TOKEN=$(zend token --job $ZEN_JOB) && exec python /check/sum_check.py"],
+        compose.argv("run", "--rm", "-T", "--no-deps", "-e", f"RANK={rank}", "-e", "ZEN_JOB=deploy-check",
+                     "-v", f"{check}:/check/sum_check.py:ro", "--entrypoint", "sh", f"trainer-{rank}", "-c",
+                     "export ZEN_JOB_TOKEN=$(zend token --job $ZEN_JOB) && exec python /check/sum_check.py"),
         env=compose.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     results = [p.communicate(timeout=300) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, results, strict=True)):

@@ -181,8 +181,3 @@ def format_row(here: list[dict[str, Any]], trainers: int) -> str:
             f"{first['bytes_sent'] / 1e6:>8.3f} {first['dense_bytes'] / 1e6:>8.3f} {saved:>6.0%} "
             f"{first['seconds'] * 1e3:>8.1f} {ok:>3}/{trainers:<4}")
 
-
-def format_rows(rows: list[dict[str, Any]], trainers: int) -> str:
-    """The whole table at once: one line per step."""
-    steps = sorted({r["step"] for r in rows})
-    return "\n".join([HEADER, *(format_row([r for r in rows if r["step"] == s], trainers) for s in steps)])

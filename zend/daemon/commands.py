@@ -163,8 +163,7 @@ def message_dict(message: Any) -> dict[str, Any]:
         if field.type == field.TYPE_MESSAGE:
             return message_dict(v)
         if field.type == field.TYPE_ENUM:
-            known = field.enum_type.values_by_number.get(v)
-            return known.name if known is not None else v  # a value newer than these stubs
+            return _enum_name(field, v)
         return v
 
     return {f.name: [value(f, v) for v in getattr(message, f.name)] if f.is_repeated
@@ -192,7 +191,7 @@ def format_status(reply: Any) -> str:
                           ["job", "tensor", "id", "shape", "dtype", "layout", "scheme", "steps", "last step",
                            "sync ms", "rows in", "rows out", "sent", "push/pull"],
                           [[t.job_id, t.name, t.tensor_id, "x".join(map(str, t.shape)),
-                            _enum_name(t, "dtype").lower(), _enum_name(t, "layout").lower(), t.scheme, t.steps,
+                            _field_name(t, "dtype"), _field_name(t, "layout"), t.scheme, t.steps,
                             *([t.last_step, f"{t.last_sync_seconds * 1e3:.1f}", t.last_nnz_in, t.last_nnz_out,
                                _mb(t.last_bytes_sent), f"{t.last_push_imbalance:.2f}/{t.last_pull_imbalance:.2f}"]
                               if t.steps else ["-"] * 6)]  # "0" would claim a step 0 that never ran
@@ -216,9 +215,14 @@ def _table(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:
                            for row in cells)]
 
 
-def _enum_name(message: Any, field: str) -> str:
-    enum = message.DESCRIPTOR.fields_by_name[field].enum_type.values_by_number.get(getattr(message, field))
-    return enum.name if enum is not None else str(getattr(message, field))
+def _enum_name(field: Any, number: int) -> str | int:
+    """An enum field's value by name; the number itself when it is newer than these stubs."""
+    known = field.enum_type.values_by_number.get(number)
+    return known.name if known is not None else number
+
+
+def _field_name(message: Any, field: str) -> str:
+    return str(_enum_name(message.DESCRIPTOR.fields_by_name[field], getattr(message, field))).lower()
 
 
 def _mb(n: int) -> str:

@@ -150,7 +150,7 @@ def _from_environment(values: dict[str, Any], sources: dict[str, str], env: Mapp
 
 
 def validate(s: Settings) -> None:
-    from zend.core.schemes import SCHEMES  # imports torch: here, so that building `zend`'s parser does not
+    from zend.core.schemes import SCHEMES  # imports torch: here, not when `zend --help` builds the parser
 
     def bad(name: str, why: str) -> SettingsError:
         return SettingsError(f"setting {name}={getattr(s, name)!r} (from {s.sources.get(name, 'default')}): {why}")
