@@ -111,7 +111,7 @@ class RankProcesses:
                secret: bytes = SECRET, **options: Any) -> subprocess.Popen:
         """Start the process of rank `rank` on loopback, or inside host `rank` of an emulated cluster.
 
-        options: cluster_id, generation, protocol_version, timeout_s, max_buffered_bytes.
+        options: cluster_id, generation, protocol_version, timeout_s, max_buffered_bytes, security.
         """
         env = dict(os.environ, ZEN_CLUSTER_SECRET=secret.decode(), PYTHONPATH=str(ROOT))
         argv = [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://{host}:0",

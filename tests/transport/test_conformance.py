@@ -103,7 +103,11 @@ def test_wrong_secret_is_refused_and_the_right_one_still_gets_in(processes):
 
 
 def test_version_mismatch_is_refused_naming_the_field(processes):
-    _refused(processes, "protocol version 3 != 2", protocol_version=3)
+    _refused(processes, "protocol version 2 != 3", protocol_version=2)
+
+
+def test_security_mismatch_is_refused_naming_the_field(processes):
+    _refused(processes, "data-plane security 'none' != 'aead'", security="none")
 
 
 def test_cluster_id_mismatch_is_refused_naming_the_field(processes):

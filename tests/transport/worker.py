@@ -157,10 +157,12 @@ def main() -> None:
     parser.add_argument("--protocol-version", type=int, default=None)
     parser.add_argument("--timeout-s", type=float, default=10.0)
     parser.add_argument("--max-buffered-bytes", type=int, default=1 << 30)
+    parser.add_argument("--security", default="aead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     options: dict[str, Any] = {"cluster_id": args.cluster_id, "generation": args.generation,
-                               "timeout_s": args.timeout_s, "max_buffered_bytes": args.max_buffered_bytes}
+                               "timeout_s": args.timeout_s, "max_buffered_bytes": args.max_buffered_bytes,
+                               "security": args.security}
     if args.protocol_version is not None:
         options["protocol_version"] = args.protocol_version
     transport = create(args.uri, args.rank, args.world_size, secret=load_secret(), **options)

@@ -1,11 +1,15 @@
 """Authenticating a data-plane connection before anything else crosses it: the messages and the flow.
 
-Challenge-response with HMAC-SHA256 over a shared cluster secret, both ways: the connecting
-rank proves it knows the secret, and so does the accepting one. Both also agree on the
-protocol version, cluster id, world size and membership generation; a mismatch is refused
-with an error that names the field. Messages are JSON (never pickle). `connect_side` and
-`accept_side` run the flow over two callables that send and receive one message; each backend
-supplies them (and delimits the messages its own way), so no socket is touched here.
+Challenge-response with HMAC-SHA256 over a shared cluster secret, both ways, the dialling rank
+first: the accepting rank, which anyone can reach, reveals no MAC before the dialler has proven
+that it knows the secret (a MAC given to a stranger would let it guess a weak secret offline).
+Both sides also agree on the protocol version, cluster id, world size, membership generation
+and data-plane security; a mismatch is refused with an error that names the field. Each side
+then derives the link's frame keys from the secret and the whole exchange (sealing.py), unless
+both run with security "none". Messages are JSON (never pickle), parsed strictly (bounded size
+and depth, finite numbers, exact types). `connect_side` and `accept_side` run the flow over two
+callables that send and receive one message; each backend supplies them (and delimits the
+messages its own way), so no socket is touched here.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-PROTOCOL_VERSION = 2  # 2: heartbeat and abort frames
+from zend.transport.sealing import SECURITY_MODES, LinkCipher
+
+PROTOCOL_VERSION = 3  # 2: heartbeat and abort frames; 3: the dialler proves first, sealed frames
 MAX_HANDSHAKE_BYTES = 4096
+NONCE_HEX = 32  # characters of a nonce (16 random bytes)
 
 Message = dict[str, object]
 SendMessage = Callable[[Message], None]
@@ -38,16 +45,18 @@ class Identity:
     world_size: int
     generation: int
     rank: int
+    security: str = "aead"  # sealing.SECURITY_MODES
 
 
 def new_nonce() -> str:
-    return secrets.token_hex(16)
+    return secrets.token_hex(NONCE_HEX // 2)
 
 
 def mismatch(mine: Identity, theirs: Identity) -> str | None:
     """The first field that differs between two sides of one cluster, as a sentence."""
     for name, label in (("protocol", "protocol version"), ("cluster", "cluster id"),
-                        ("world_size", "world size"), ("generation", "membership generation")):
+                        ("world_size", "world size"), ("generation", "membership generation"),
+                        ("security", "data-plane security")):
         a, b = getattr(theirs, name), getattr(mine, name)
         if a != b:
             return f"{label} {a!r} != {b!r}"
@@ -58,14 +67,19 @@ def mismatch(mine: Identity, theirs: Identity) -> str | None:
     return None
 
 
-def proof(secret: bytes, role: str, own_nonce: str, peer_nonce: str, who: Identity) -> str:
-    """HMAC binding the secret to both nonces and the sender's identity (role separates directions)."""
-    material = json.dumps([role, own_nonce, peer_nonce, asdict(who)], sort_keys=True).encode()
-    return hmac.new(secret, material, hashlib.sha256).hexdigest()
+def transcript(dialer: Identity, acceptor: Identity, dialer_nonce: str, acceptor_nonce: str) -> bytes:
+    """Everything both sides said, in one canonical form: what the proofs and the frame keys bind."""
+    return json.dumps([asdict(dialer), asdict(acceptor), dialer_nonce, acceptor_nonce], sort_keys=True).encode()
 
 
-def verify(secret: bytes, role: str, sender_nonce: str, receiver_nonce: str, who: Identity, mac: str) -> bool:
-    return hmac.compare_digest(proof(secret, role, sender_nonce, receiver_nonce, who), mac)
+def proof(secret: bytes, role: str, said: bytes) -> str:
+    """HMAC binding the secret to the whole exchange; the role keeps one direction's proof from
+    passing for the other's (a reflected proof is refused)."""
+    return hmac.new(secret, role.encode() + b"\0" + said, hashlib.sha256).hexdigest()
+
+
+def verify(secret: bytes, role: str, said: bytes, mac: object) -> bool:
+    return isinstance(mac, str) and hmac.compare_digest(proof(secret, role, said), mac)
 
 
 def dump(message: Message) -> bytes:
@@ -106,39 +120,59 @@ def identity_of(message: Message) -> Identity:
         fields = message["identity"]
         if not isinstance(fields, dict) or not isinstance(fields.get("cluster"), str):
             raise TypeError("identity is not an object with a cluster id")
+        security = fields.get("security")
+        if security not in SECURITY_MODES:
+            raise ValueError(f"security={security!r:.40} is not one of {list(SECURITY_MODES)}")
         return Identity(_whole(fields, "protocol"), str(fields["cluster"]), _whole(fields, "world_size"),
-                        _whole(fields, "generation"), _whole(fields, "rank"))
+                        _whole(fields, "generation"), _whole(fields, "rank"), str(security))
     except (KeyError, TypeError, ValueError) as exc:
         raise HandshakeError(f"handshake message lacks a valid identity ({exc}): {message!r:.200}") from None
 
 
-def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes, expected_rank: int) -> None:
-    """The dialling rank's half: hello, check the challenge, prove; HandshakeError if either side refuses."""
+def nonce_of(message: Message) -> str:
+    nonce = message.get("nonce")
+    if not (isinstance(nonce, str) and len(nonce) == NONCE_HEX and all(c in "0123456789abcdef" for c in nonce)):
+        raise HandshakeError(f"handshake message has no valid nonce ({NONCE_HEX} hex digits): {nonce!r:.60}")
+    return nonce
+
+
+def _cipher(secret: bytes, said: bytes, me: Identity, dialer: bool) -> LinkCipher | None:
+    return LinkCipher.for_side(secret, said, dialer) if me.security == "aead" else None
+
+
+def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes,
+                 expected_rank: int) -> LinkCipher | None:
+    """The dialling rank's half: hello, prove, check the acceptor's proof; returns the link's frame
+    cipher (None with security "none"); HandshakeError if either side refuses."""
     nonce = new_nonce()
-    send({"type": "hello", "identity": vars(me), "nonce": nonce})
+    send({"type": "hello", "identity": asdict(me), "nonce": nonce})
     reply = recv()
     if reply.get("type") == "error":
-        raise HandshakeError(f"refused by rank {expected_rank}: {reply.get('error')}")
+        raise HandshakeError(f"refused by rank {expected_rank}: {str(reply.get('error'))[:300]}")
     theirs = identity_of(reply)
     problem = mismatch(me, theirs)
     if problem is None and theirs.rank != expected_rank:
         problem = f"rank {theirs.rank} answered where rank {expected_rank} was expected"
-    if problem is None and not verify(secret, "acceptor", str(reply.get("nonce")), nonce, theirs,
-                                      str(reply.get("mac"))):
-        problem = "authentication failed: the peer does not know the cluster secret"
     if problem:
         send({"type": "error", "error": problem})
         raise HandshakeError(f"refused rank {expected_rank}: {problem}")
-    send({"type": "proof", "mac": proof(secret, "connector", nonce, str(reply["nonce"]), me)})
+    said = transcript(me, theirs, nonce, nonce_of(reply))
+    send({"type": "proof", "mac": proof(secret, "dialer", said)})
     final = recv()
     if final.get("type") != "ok":
-        raise HandshakeError(f"refused by rank {expected_rank}: {final.get('error')}")
+        raise HandshakeError(f"refused by rank {expected_rank}: {str(final.get('error'))[:300]}")
+    if not verify(secret, "acceptor", said, final.get("mac")):
+        raise HandshakeError(f"refused rank {expected_rank}: authentication failed: the peer does not know "
+                             "the cluster secret")
+    return _cipher(secret, said, me, dialer=True)
 
 
-def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes) -> int:
-    """The accepting rank's half: check the hello, challenge, check the proof; returns the peer's rank."""
+def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes) -> tuple[int, LinkCipher | None]:
+    """The accepting rank's half: check the hello, challenge with a nonce alone, check the proof,
+    only then prove itself; returns the peer's rank and the link's frame cipher."""
     hello = recv()
     theirs = identity_of(hello)
+    their_nonce = nonce_of(hello)
     problem = mismatch(me, theirs)
     if problem is None and theirs.rank < me.rank:
         problem = f"rank {theirs.rank} must accept, not connect (lower ranks accept)"
@@ -146,14 +180,14 @@ def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byte
         send({"type": "error", "error": problem})
         raise HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem}")
     nonce = new_nonce()
-    mac = proof(secret, "acceptor", nonce, str(hello.get("nonce")), me)
-    send({"type": "challenge", "identity": vars(me), "nonce": nonce, "mac": mac})
+    send({"type": "challenge", "identity": asdict(me), "nonce": nonce})
     answer = recv()
     if answer.get("type") == "error":
-        raise HandshakeError(f"rank {theirs.rank} refused us: {answer.get('error')}")
-    if not verify(secret, "connector", str(hello.get("nonce")), nonce, theirs, str(answer.get("mac"))):
+        raise HandshakeError(f"rank {theirs.rank} refused us: {str(answer.get('error'))[:300]}")
+    said = transcript(theirs, me, their_nonce, nonce)
+    if not verify(secret, "dialer", said, answer.get("mac")):
         problem = "authentication failed: wrong cluster secret"
         send({"type": "error", "error": problem})
         raise HandshakeError(f"refused rank {theirs.rank}: {problem}")
-    send({"type": "ok"})
-    return theirs.rank
+    send({"type": "ok", "mac": proof(secret, "acceptor", said)})
+    return theirs.rank, _cipher(secret, said, me, dialer=False)

@@ -19,6 +19,10 @@ Timeouts, one meaning each:
 - how long a message may take to come is the caller's `recv(timeout_s=...)` (the step timeout).
 - a peer is not judged while this side holds it back (backpressure) or after this process
   itself stood still (`stalled_since`): then silence is ours, not the peer's.
+Sealed frames: with security "aead" (the default) every frame after the handshake is
+authenticated and encrypted with the link's own keys (sealing.py); a frame that fails its check
+drops the link, which fails every step waiting on it. Security "none" sends frames in clear, for
+fabrics the operator trusts (both sides must agree, or the handshake refuses).
 Aborts: `abort(prefix)` voids a failed step's messages on both sides (frames.ABORT), so a
 failed step leaves no message behind in any mailbox and a late one is dropped as it comes.
 """
@@ -39,8 +43,9 @@ import torch
 
 from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator, voided
 from zend.transport import handshake as hs
-from zend.transport.frames import ABORT, DATA, GOODBYE, HEARTBEAT, MAX_ABORT_BYTES, FrameError, pack_frame
+from zend.transport.frames import ABORT, DATA, FRAME, GOODBYE, HEARTBEAT, MAX_ABORT_BYTES, FrameError, pack_frame
 from zend.transport.receive_pool import ReceivePool
+from zend.transport.sealing import SECURITY_MODES, LinkCipher
 
 log = logging.getLogger("zend.transport")
 MAX_ABORTED_PREFIXES = 16384  # voided steps remembered (a late message of one is dropped)
@@ -48,14 +53,13 @@ MAX_ABORTED_PREFIXES = 16384  # voided steps remembered (a late message of one i
 # call, so a big one at a slow rate is not silence); tcp:// counts every chunk instead.
 LIVENESS_MIN_RATE = 1 << 20  # bytes/s
 REPLAYED_ABORTS = 256  # the most recent aborts, told again to a peer that (re)connects
-HEARTBEAT_FRAME = pack_frame("", 0, HEARTBEAT)
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
-def _abort_frame(prefix: str, code: str, reason: str) -> tuple[bytes, torch.Tensor]:
-    """An abort frame: its header, and its payload (the status name and the reason, as JSON)."""
+def _abort_body(code: str, reason: str) -> torch.Tensor:
+    """An abort frame's payload: the status name and the reason, as JSON (its tag is the prefix)."""
     text = json.dumps({"code": code[:64], "reason": reason[:MAX_ABORT_BYTES - 128]}).encode()
-    body = torch.frombuffer(bytearray(text[:MAX_ABORT_BYTES]), dtype=torch.uint8)
-    return pack_frame(prefix, body.numel(), ABORT), body
+    return torch.frombuffer(bytearray(text[:MAX_ABORT_BYTES]), dtype=torch.uint8)
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Peer:
     rank: int
     address: tuple[str, int] | None = None
     link: Any = None  # the backend's connection object, None while down
+    cipher: LinkCipher | None = None  # the link's frame keys (None: security "none")
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     error: str | None = "not connected yet"
     was_connected: bool = False
@@ -90,11 +95,13 @@ class LinkTransport(Communicator):
     def __init__(self, rank: int, world_size: int, *, cluster_id: str, secret: bytes, generation: int = 0,
                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  max_buffered_bytes: int = 1 << 30, max_message_bytes: int = 1 << 34,
-                 pool_bytes: int = 256 << 20, protocol_version: int = hs.PROTOCOL_VERSION):
+                 pool_bytes: int = 256 << 20, protocol_version: int = hs.PROTOCOL_VERSION, security: str = "aead"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
+        if security not in SECURITY_MODES:
+            raise ValueError(f"data-plane security {security!r} is not one of {list(SECURITY_MODES)}")
         self.rank, self.world_size = rank, world_size
-        self.identity = hs.Identity(protocol_version, cluster_id, world_size, generation, rank)
+        self.identity = hs.Identity(protocol_version, cluster_id, world_size, generation, rank, security)
         self.secret = secret
         self.host, self.port = host, port
         self.timeout_s = timeout_s
@@ -136,11 +143,18 @@ class LinkTransport(Communicator):
         """Receive one message sent by _send_message."""
 
     @abstractmethod
-    def _receive_frames(self, j: int, link: Any) -> None:
-        """Read frames from rank j until the link breaks (raise) or the transport closes."""
+    def _receive_frames(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
+        """Read frames from rank j until the link breaks (raise) or the transport closes; with a
+        cipher, open each (sealing.py) and raise FrameError on the first that fails its check."""
 
     @abstractmethod
-    def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None: ...
+    def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
+        """Send a frame in clear: its header (with the tag), then its payload."""
+
+    @abstractmethod
+    def _send_sealed(self, link: Any, head: bytes, cipher: LinkCipher, data: torch.Tensor) -> None:
+        """Send a sealed frame: `head` (clear header and sealed tag), then the payload sealed by
+        `cipher` (its records, in order)."""
 
     def _stop_backend(self) -> None:
         """Release listeners and loops (after every link is closed)."""
@@ -148,11 +162,26 @@ class LinkTransport(Communicator):
     def _prepare_link(self, link: Any) -> None:
         """Set a link up for frames, once its handshake is done (before any frame is sent on it)."""
 
-    def _send_control(self, link: Any, frame: bytes) -> bool:
+    def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:
         """Send a payload-less control frame (heartbeat, goodbye) without waiting long; False if it
-        did not go (the link is full). Raises if the link broke."""
-        self._send_frame(link, frame, torch.empty(0, dtype=torch.uint8))
+        did not go (the link is full), in which case nothing was sealed. Raises if the link broke."""
+        self._send_on(link, cipher, "", _NOTHING, kind)
         return True
+
+    # ------------------------------------------------------------------ frames
+    def _send_on(self, link: Any, cipher: LinkCipher | None, tag: str, data: torch.Tensor, kind: int = DATA) -> None:
+        """One frame on `link` (under the peer's send lock: a sealed link's records are numbered)."""
+        header = pack_frame(tag, data.numel(), kind)
+        if cipher is None:
+            self._send_frame(link, header, data)
+        else:
+            self._send_sealed(link, cipher.seal_head(header[: FRAME.size], header[FRAME.size :]), cipher, data)
+
+    @staticmethod
+    def _control_frame(cipher: LinkCipher | None, kind: int) -> bytes:
+        """A payload-less control frame's bytes, sealed when the link is."""
+        header = pack_frame("", 0, kind)
+        return header if cipher is None else cipher.seal_head(header, b"")
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -189,10 +218,10 @@ class LinkTransport(Communicator):
             links = list(self._open_links)
             self._cond.notify_all()
         for peer in self.peers.values():  # say goodbye, so peers fail their receives now
-            link = peer.link
+            link, cipher = peer.link, peer.cipher
             if link is not None and peer.send_lock.acquire(timeout=1.0):
                 try:  # best effort, never blocking on a frozen peer
-                    self._send_control(link, pack_frame("", 0, GOODBYE))
+                    self._send_control(link, cipher, GOODBYE)
                 except Exception:
                     pass
                 finally:
@@ -235,7 +264,7 @@ class LinkTransport(Communicator):
         deadline.daemon = True
         deadline.start()
         try:
-            rank = hs.accept_side(*self._handshake_io(link), self.identity, self.secret)
+            rank, cipher = hs.accept_side(*self._handshake_io(link), self.identity, self.secret)
         except Exception as exc:
             log.warning("rank %d: refused connection from %s: %s: %s", self.rank, origin, type(exc).__name__,
                         str(exc)[:200])
@@ -243,7 +272,7 @@ class LinkTransport(Communicator):
             return
         finally:
             deadline.cancel()
-        self._attach(rank, link)
+        self._attach(rank, link, cipher)
 
     def _interrupt_link(self, link: Any) -> None:
         """Make a handshake's blocked receive on `link` fail now (its deadline passed). A backend
@@ -259,7 +288,7 @@ class LinkTransport(Communicator):
             link = None
             try:
                 link = self._open_link(peer.address, max(0.1, deadline - time.monotonic()))
-                hs.connect_side(*self._handshake_io(link), self.identity, self.secret, j)
+                cipher = hs.connect_side(*self._handshake_io(link), self.identity, self.secret, j)
             except hs.HandshakeError:
                 if link is not None:
                     self._close_link(link)
@@ -272,10 +301,10 @@ class LinkTransport(Communicator):
                     raise CommError(f"rank {self.rank}: cannot connect to {peer.error}") from None
                 time.sleep(0.05)
                 continue
-            self._attach(j, link)
+            self._attach(j, link, cipher)
             return
 
-    def _attach(self, j: int, link: Any) -> None:
+    def _attach(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
         peer = self.peers[j]
         with peer.send_lock:  # nothing goes on the new link before the aborts it may have missed
             with self._cond:
@@ -286,11 +315,12 @@ class LinkTransport(Communicator):
                 recent = list(self._aborted.items())[-REPLAYED_ABORTS:]
                 first = not any(p.was_connected for p in self.peers.values())
                 old, peer.link, peer.error, peer.was_connected = peer.link, link, None, True
+                peer.cipher = cipher
                 peer.last_heard = peer.last_sent = time.monotonic()
                 peer.arriving, peer.connects = 0, peer.connects + 1
                 self._open_links.append(link)
                 self._cond.notify_all()
-            replay_error = self._replay(link, recent)
+            replay_error = self._replay(link, cipher, recent)
         if replay_error is not None:  # it went away at once
             self._fail(j, link, f"dropped its new link: {replay_error}")
             return
@@ -299,11 +329,11 @@ class LinkTransport(Communicator):
         if old is not None:
             self._close_link(old)
         log.info("rank %d: connected to rank %d over %s", self.rank, j, self.scheme)
-        self._spawn(self._receive_loop, f"recv{j}", j, link)
+        self._spawn(self._receive_loop, f"recv{j}", j, link, cipher)
 
-    def _receive_loop(self, j: int, link: Any) -> None:
+    def _receive_loop(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
         try:
-            self._receive_frames(j, link)
+            self._receive_frames(j, link, cipher)
         except FrameError as exc:
             self._fail(j, link, str(exc))
         except Exception as exc:  # any I/O failure ends this link, with the peer named
@@ -320,7 +350,7 @@ class LinkTransport(Communicator):
                 return
             addr = f" at {peer.address[0]}:{peer.address[1]}" if peer.address else ""
             peer.error = f"rank {j}{addr} {reason}"
-            peer.link = None
+            peer.link = peer.cipher = None
             self._cond.notify_all()
         self._close_link(link)
         if not self._closed:
@@ -367,6 +397,8 @@ class LinkTransport(Communicator):
         self._heard(j)
         if kind == DATA:
             self._deliver(j, tag, payload)
+        elif kind == GOODBYE:
+            raise ConnectionError("closed by the peer")
         elif kind == ABORT:
             try:
                 notice = json.loads(bytes(payload.numpy()).decode())
@@ -392,7 +424,7 @@ class LinkTransport(Communicator):
             self._boxes.setdefault((j, tag), deque()).append(payload)
             self._cond.notify_all()
 
-    def _live_link(self, dst: int) -> Any:
+    def _live_link(self, dst: int) -> tuple[Any, LinkCipher | None]:
         if dst not in self.peers:
             raise CommError(f"rank {self.rank}: invalid peer {dst} (world size {self.world_size})")
         peer = self.peers[dst]
@@ -405,18 +437,17 @@ class LinkTransport(Communicator):
                 if left <= 0 or self._closed:
                     raise CommError(f"rank {self.rank}: cannot send to {peer.error}")
                 self._cond.wait(min(left, 0.1))
-            return peer.link
+            return peer.link, peer.cipher
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
         hit = self._voided(tag)
         if hit is not None:
             raise CommAborted(hit[1], hit[0])
-        link = self._live_link(dst)
+        link, cipher = self._live_link(dst)
         data = payload.contiguous().view(torch.uint8)
-        header = pack_frame(tag, data.numel())
         with self.peers[dst].send_lock:
             try:
-                self._send_frame(link, header, data)
+                self._send_on(link, cipher, tag, data)
                 self.peers[dst].last_sent = time.monotonic()
             except (OSError, ConnectionError, TimeoutError) as exc:
                 self._fail(dst, link, f"failed while sending: {exc}")
@@ -470,22 +501,23 @@ class LinkTransport(Communicator):
             if prefix in self._aborted:
                 return  # already voided (here, or by the peer that told us)
             self._void(prefix, code, reason)
-            links = [(j, p.link) for j, p in self.peers.items() if p.link is not None]
-        header, body = _abort_frame(prefix, code, reason)
-        for j, link in links:  # after the step's own messages (one send lock): peers void it too
+            links = [(j, p.link, p.cipher) for j, p in self.peers.items() if p.link is not None]
+        body = _abort_body(code, reason)
+        for j, link, cipher in links:  # after the step's own messages (one send lock): peers void it too
             try:
                 with self.peers[j].send_lock:
-                    self._send_frame(link, header, body)
+                    self._send_on(link, cipher, prefix, body, ABORT)
                 self.peers[j].last_sent = time.monotonic()
             except Exception as exc:  # going down, or a frame half-sent: the link is done for
                 self._fail(j, link, f"failed while sending an abort: {exc}")
 
-    def _replay(self, link: Any, recent: list[tuple[str, tuple[str, str]]]) -> Exception | None:
+    def _replay(self, link: Any, cipher: LinkCipher | None,
+                recent: list[tuple[str, tuple[str, str]]]) -> Exception | None:
         """Tell a (re)connected peer the recent aborts, under the handshake's timeout (a peer that
         stalls here cannot hold us), then set the link up for frames; the error, if it broke."""
         try:
             for prefix, (code, reason) in recent:
-                self._send_frame(link, *_abort_frame(prefix, code, reason))
+                self._send_on(link, cipher, prefix, _abort_body(code, reason), ABORT)
             self._prepare_link(link)
         except Exception as exc:
             return exc
@@ -520,13 +552,14 @@ class LinkTransport(Communicator):
                 return
             now = time.monotonic()
             for peer in list(self.peers.values()):
-                link = peer.link
+                with self._cond:  # the link and its keys as one pair
+                    link, cipher = peer.link, peer.cipher
                 if link is None or now - peer.last_sent < self.heartbeat_s:
                     continue
                 if not peer.send_lock.acquire(blocking=False):
                     continue  # a frame is going out: that is a sign of life already
                 try:
-                    if peer.link is link and self._send_control(link, HEARTBEAT_FRAME):
+                    if peer.link is link and self._send_control(link, cipher, HEARTBEAT):
                         peer.last_sent = time.monotonic()
                 except Exception as exc:  # a frame may be half-sent: the link is done for
                     peer.send_lock.release()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import struct
 import threading
@@ -24,6 +25,7 @@ import torch
 from zend.transport.frames import DATA, FRAME, unpack_frame
 from zend.transport.handshake import MAX_HANDSHAKE_BYTES
 from zend.transport.link_transport import LinkTransport
+from zend.transport.sealing import CHUNK, GCM_TAG, LinkCipher
 
 SOCKET_BUFFER_BYTES = 8 << 20
 _LENGTH = struct.Struct("<I")
@@ -60,6 +62,16 @@ def _recv_exactly_into(sock: socket.socket, views: list[memoryview], progress: C
             raise ConnectionError("connection closed by peer")
         _advance(views, n)
         progress()
+
+
+def _recv_sealed_into(sock: socket.socket, cipher: LinkCipher, record: bytearray, out: memoryview,
+                      progress: Callable[[], None]) -> None:
+    """Receive a sealed payload record by record, each opened into its place in `out` as it lands."""
+    for start in range(0, len(out), CHUNK):
+        piece = out[start : start + CHUNK]
+        sealed = memoryview(record)[: len(piece) + GCM_TAG]
+        _recv_exactly_into(sock, [sealed], progress)
+        cipher.open_record(sealed, piece)
 
 
 def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
@@ -155,13 +167,16 @@ class TcpTransport(LinkTransport):
         # reads of an idle link. A send to a lost peer ends when the watchdog drops the link.
         sock.settimeout(None)
 
-    def _receive_frames(self, j: int, link: Any) -> None:
+    def _receive_frames(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
         sock: socket.socket = link
         header = bytearray(FRAME.size)
 
         def progress() -> None:
             self._heard(j)
 
+        if cipher is not None:
+            self._receive_sealed(j, sock, cipher, progress)
+            return
         while True:
             _recv_exactly(sock, memoryview(header))
             self._heard(j)
@@ -174,19 +189,47 @@ class TcpTransport(LinkTransport):
             self._received(j, kind, tag.decode(), payload)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
+    def _receive_sealed(self, j: int, sock: socket.socket, cipher: LinkCipher, progress: Callable[[], None]) -> None:
+        """Frames of a sealed link: the header and sealed tag are checked before the payload is
+        reserved or read; each payload record is opened as it lands, while the next one arrives."""
+        header = bytearray(FRAME.size)
+        record = bytearray(CHUNK + GCM_TAG)
+        while True:
+            _recv_exactly(sock, memoryview(header))
+            self._heard(j)
+            kind, tag_len, size = unpack_frame(bytes(header))
+            sealed_tag = bytearray(tag_len + GCM_TAG)
+            _recv_exactly(sock, memoryview(sealed_tag))
+            tag = cipher.open_head(bytes(header), bytes(sealed_tag))
+            if kind == DATA:
+                self._reserve(j, size)
+            payload = self._payload_buffer(size)
+            _recv_sealed_into(sock, cipher, record, memoryview(payload.numpy()), progress)  # type: ignore[arg-type]
+            self._received(j, kind, tag.decode(), payload)
+            del payload  # the block goes back to the pool as soon as its reader drops it
+
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
         if data.is_cuda:
             data = data.cpu()  # tcp:// stages GPU tensors through the host
         _send_all(link, [memoryview(header), memoryview(data.numpy())])  # type: ignore[arg-type]
 
-    def _send_control(self, link: Any, frame: bytes) -> bool:
-        # MSG_DONTWAIT for this call only: a full socket (the peer holds us back, or is frozen)
-        # must not hold the heartbeat thread; a partial write (a few bytes of room) is finished,
-        # the frame kept whole
-        try:
-            sent = link.send(frame, socket.MSG_DONTWAIT)
-        except BlockingIOError:
+    def _send_sealed(self, link: Any, head: bytes, cipher: LinkCipher, data: torch.Tensor) -> None:
+        if data.is_cuda:
+            data = data.cpu()
+        # one record sealed while the one before drains from the socket buffer; the head leaves
+        # with the first record in one sendmsg
+        records = cipher.seal_records(memoryview(data.numpy()))  # type: ignore[arg-type]
+        first = next(records, None)
+        _send_all(link, [memoryview(head)] + ([first] if first is not None else []))
+        for record in records:
+            _send_all(link, [record])
+
+    def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:
+        # A full socket (the peer holds us back, or is frozen) must not hold the heartbeat thread:
+        # the frame is made (sealed: numbered) only once there is room for it, and then goes whole
+        poller = select.poll()
+        poller.register(link, select.POLLOUT)
+        if not poller.poll(0):
             return False
-        if sent < len(frame):
-            link.sendall(frame[sent:])
+        link.sendall(self._control_frame(cipher, kind))
         return True

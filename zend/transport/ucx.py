@@ -40,6 +40,7 @@ import torch
 
 from zend.transport.frames import DATA, FRAME, MAX_TAG_BYTES, FrameError, unpack_frame
 from zend.transport.link_transport import LinkTransport
+from zend.transport.sealing import GCM_TAG, LinkCipher, sealed_size
 
 UCX_DEFAULTS = {
     "UCXPY_PROGRESS_MODE": "thread",
@@ -50,8 +51,8 @@ UCX_DEFAULTS = {
     "UCX_RNDV_FRAG_MEM_TYPE": "host",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
-HEADER_BYTES = FRAME.size + MAX_TAG_BYTES
-DEVICE_FLAG = 1 << 63  # set in the size field: the payload is GPU memory
+HEADER_BYTES = FRAME.size + MAX_TAG_BYTES + GCM_TAG  # a sealed link's tag carries its GCM tag
+DEVICE_FLAG = 1 << 63  # set in the size field: the payload is GPU memory (clear links only)
 # One dial attempt's bound; the dial loop retries until its own deadline. A connect to a peer
 # whose listener is not up yet usually fails at once, but ucxx sometimes leaves create_endpoint
 # waiting after the refusal (seen here: the error callback fired, the call hung for its whole
@@ -108,6 +109,8 @@ class UcxTransport(LinkTransport):
         # I/O in flight per link: closing a link cancels them, or a receive on it could wait forever
         self._in_flight: dict[int, set[Future[Any]]] = {}
         self._in_flight_lock = threading.Lock()
+        # where a sealed payload is built before it goes, per link (its send lock orders the use)
+        self._seal_scratch: dict[int, torch.Tensor] = {}
 
     def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None, link: Any = None) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, _ucx_loop())
@@ -175,6 +178,7 @@ class UcxTransport(LinkTransport):
             self._run(abort(), 5.0)
         with self._in_flight_lock:
             stuck = self._in_flight.pop(id(link), set())
+            self._seal_scratch.pop(id(link), None)
         for future in stuck:  # whatever UCX did not end with the endpoint
             future.cancel()
 
@@ -192,26 +196,40 @@ class UcxTransport(LinkTransport):
         except Exception as exc:  # UCXX errors: the endpoint is broken
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
 
-    def _receive_frames(self, j: int, link: Any) -> None:
+    def _receive_frames(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
         # The whole loop runs on the event loop: no hop between threads per message.
-        self._io(link, self._receive_async(j, link), None)
+        self._io(link, self._receive_async(j, link, cipher), None)
 
-    async def _receive_async(self, j: int, link: Any) -> None:
+    async def _receive_async(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        sealed = np.empty(0, dtype=np.uint8)
         loop = asyncio.get_running_loop()
         while not self._closed:
             await link.recv(header)
-            kind, tag_len, size = unpack_frame(header[: FRAME.size].tobytes())
+            clear = header[: FRAME.size].tobytes()
+            kind, tag_len, size = unpack_frame(clear)
             on_device = bool(size & DEVICE_FLAG)
             size &= ~DEVICE_FLAG
+            if cipher is None:
+                tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
+            else:  # checked before anything it announces is reserved or received
+                if on_device:
+                    raise FrameError("sent a GPU payload on a sealed link (sealed payloads go through the host)")
+                tag = cipher.open_head(clear, header[FRAME.size : FRAME.size + tag_len + GCM_TAG].tobytes()).decode()
             self._heard(j, arriving=size)  # the payload comes in one call: its size buys it time
-            tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
             if kind == DATA and self._must_wait(j, size):  # backpressure: off the loop; never for control
                 await loop.run_in_executor(None, self._reserve, j, size)
             if on_device and torch.cuda.is_available():
                 payload = torch.empty(size, dtype=torch.uint8, device="cuda")
                 if size:
                     await link.recv(payload)  # UCX writes into GPU memory (cuda_copy/ipc)
+            elif cipher is not None and size:
+                if sealed.size < sealed_size(size):  # this link's landing place for sealed payloads, reused
+                    sealed = np.empty(sealed_size(size), dtype=np.uint8)
+                wire = sealed[: sealed_size(size)]
+                await link.recv(wire)
+                payload = self._payload_buffer(size)
+                cipher.open_all(memoryview(wire), memoryview(payload.numpy()))  # type: ignore[arg-type]
             else:
                 payload = self._payload_buffer(size)
                 if size:
@@ -219,7 +237,9 @@ class UcxTransport(LinkTransport):
             self._received(j, kind, tag, payload)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
-    def _send_control(self, link: Any, frame: bytes) -> bool:
+    def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:
+        frame = self._control_frame(cipher, kind)
+
         async def send() -> None:
             await link.send(np.frombuffer(frame, dtype=np.uint8))
 
@@ -241,4 +261,21 @@ class UcxTransport(LinkTransport):
 
         # no timeout: a send may take long at a slow rate; a lost peer's link is dropped by the
         # watchdog, which cancels what is in flight on it
+        self._io(link, send(), None)
+
+    def _send_sealed(self, link: Any, head: bytes, cipher: LinkCipher, data: torch.Tensor) -> None:
+        size = data.numel()
+        wire = None
+        if size:  # sealed whole on the host (GPU payloads too), then sent as one UCX message
+            scratch = self._seal_scratch.get(id(link))
+            if scratch is None or scratch.numel() < sealed_size(size):
+                scratch = self._seal_scratch[id(link)] = torch.empty(sealed_size(size), dtype=torch.uint8)
+            wire = scratch[: sealed_size(size)]
+            cipher.seal_all(memoryview(data.cpu().numpy()), memoryview(wire.numpy()))  # type: ignore[arg-type]
+
+        async def send() -> None:
+            await link.send(np.frombuffer(head, dtype=np.uint8))
+            if wire is not None:
+                await link.send(wire.numpy())
+
         self._io(link, send(), None)
