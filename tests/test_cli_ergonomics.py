@@ -56,6 +56,7 @@ print(json.dumps({"out": out.getvalue(), "heavy": heavy}))
     (["--help"], "{simulate,serve,status,health,store,token,cluster}"),
     (["--version"], "zend "),
     (["token", "--job", "j"], ""),
+    (["token", "--operator"], ""),
 ])
 def test_help_version_and_token_import_no_torch_numpy_numba_or_grpc(argv, expect):
     env = env_without(SECRET_FILE_ENV, **{SECRET_ENV: SECRET, "HEAVY_MODULES": ",".join(HEAVY_MODULES)})
@@ -66,9 +67,11 @@ def test_help_version_and_token_import_no_torch_numpy_numba_or_grpc(argv, expect
     assert result["heavy"] == [], f"`zend {' '.join(argv)}` imported {result['heavy']}"
     assert expect in result["out"]
     if argv[0] == "token":  # and it is still the real token
-        from zend.daemon.jobs import job_token
+        from zend.daemon.jobs import job_token, operator_token
 
-        assert result["out"].strip() == job_token(SECRET.encode(), "j")
+        want = operator_token(SECRET.encode()) if "--operator" in argv else job_token(SECRET.encode(), "j")
+        assert result["out"].strip() == want and len(want) == 64
+        assert operator_token(SECRET.encode()) != job_token(SECRET.encode(), "")  # another label, not a job's
 
 
 # ---------------------------------------------------------------------------------------- token
@@ -95,7 +98,8 @@ def test_token_with_a_short_secret_still_says_how_short(tmp_path):
 
 def test_status_table_and_json_from_live_daemons(tmp_path):
     """Two nodes, one trainer each with a registered tensor that has synchronised one step: the table
-    shows the node, its peer, the sessions and the tensor; --json the same with real numbers. --drain too."""
+    shows the node, its peer, the sessions and the tensor; --json the same with real numbers. --drain and
+    --undrain too. All with the cluster secret (the operator token); without it the view is redacted."""
     with LocalCluster(2, tmp_path, metrics=False, extra=["--log-format", "text"]) as c:
         def trainer(node: int) -> tuple[str, str]:
             with TrainerSession(c.socket_dir(node), "jobA", c.token("jobA"), 0, 1, timeout_s=60) as link:
@@ -104,16 +108,30 @@ def test_status_table_and_json_from_live_daemons(tmp_path):
                 if node == 1:
                     return "", ""
                 # while the session is open, so that it shows
-                return (zend("status", "--socket-dir", c.socket_dir(0)).stdout,
-                        zend("status", "--json", "--socket-dir", c.socket_dir(0)).stdout)
+                return (zend("status", "--socket-dir", c.socket_dir(0), env=c.env).stdout,
+                        zend("status", "--json", "--socket-dir", c.socket_dir(0), env=c.env).stdout,
+                        zend("status", "--socket-dir", c.socket_dir(0), env=no_secret))
 
+        no_secret = env_without(SECRET_ENV, SECRET_FILE_ENV)
         results = run_all([lambda: trainer(0), lambda: trainer(1)], timeout_s=180)
         assert not any(isinstance(r, BaseException) for r in results), results
-        table, as_json = results[0]
-        drained = zend("status", "--drain", "5", "--socket-dir", c.socket_dir(1))
+        table, as_json, redacted = results[0]
+        refused = zend("status", "--drain", "5", "--socket-dir", c.socket_dir(1), env=no_secret)
+        assert refused.returncode == 2 and "--drain needs the operator token" in refused.stderr, refused.stderr
+        assert zend("health", "--socket-dir", c.socket_dir(1)).returncode == 0  # not drained
+        drained = zend("status", "--drain", "5", "--socket-dir", c.socket_dir(1), env=c.env)
         assert drained.returncode == 0 and drained.stdout.endswith("drained: 0 steps completed, 0 abandoned\n")
-        drained = zend("status", "--drain", "5", "--json", "--socket-dir", c.socket_dir(1))
+        drained = zend("status", "--drain", "5", "--json", "--socket-dir", c.socket_dir(1), env=c.env)
         assert json.loads(drained.stdout) == {"completed": 0, "abandoned": 0}
+        assert zend("health", "--socket-dir", c.socket_dir(1)).returncode == 1  # NOT_SERVING
+        undrained = zend("status", "--undrain", "--socket-dir", c.socket_dir(1), env=c.env)
+        assert undrained.returncode == 0 and undrained.stdout.endswith("undrained: serving\n"), undrained.stderr
+        assert zend("health", "--socket-dir", c.socket_dir(1)).returncode == 0
+    # without the secret: node-level fields only, and a line on stderr saying so
+    assert redacted.returncode == 0 and "redacted view" in redacted.stderr and "--secret-file" in redacted.stderr
+    assert redacted.stdout.startswith("node 0 of 2, generation 0") and "jobA" not in redacted.stdout
+    assert "wte" not in redacted.stdout and c.peers[1] not in redacted.stdout
+    assert "sessions: 1; tensors: 1 (redacted" in redacted.stdout
     assert table.startswith("node 0 of 2, generation 0, cluster 'zen', zend "), table
     assert "membership static; transport tcp;" in table
     peers = table.split("peers (1):\n")[1].splitlines()

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.buffers.trainer import Trainer
+from tests.buffers.trainer import Trainer, token_of
 from zend.buffers import (
     BufferClient,
     BufferServer,
+    ClaimRefused,
     ProtocolError,
     SessionInfo,
     SharedBuffer,
@@ -49,8 +50,12 @@ class Daemon:
         self.closed_event = threading.Event()
         self.server = BufferServer(path, self._authenticate, on_session_closed=self._on_closed, **kwargs)
 
-    def _authenticate(self, session_id: str) -> SessionInfo | None:
-        return SessionInfo(session_id, job=f"job-of-{session_id}") if session_id in self.KNOWN else None
+    def _authenticate(self, session_id: str, token: str) -> SessionInfo | None:
+        if session_id not in self.KNOWN:
+            return None
+        if token != token_of(session_id):
+            raise ClaimRefused("the token given is not the session's")
+        return SessionInfo(session_id, job=f"job-of-{session_id}")
 
     def _on_closed(self, session_id: str) -> None:
         self.closed.append(session_id)
@@ -98,7 +103,7 @@ def cleanup() -> Iterator[list[Callable[[], None]]]:
 
 
 def client(cleanup: list[Callable[[], None]], path: str, session: str) -> BufferClient:
-    c = BufferClient(path, session, timeout_s=10)
+    c = BufferClient(path, session, token_of(session), timeout_s=10)
     cleanup.append(c.close)
     return c
 
@@ -246,14 +251,58 @@ def test_a_session_cannot_reach_another_sessions_buffer(daemon: Daemon, cleanup:
 def test_refused_and_duplicate_sessions_and_absent_daemon(
         daemon: Daemon, cleanup: list[Callable[[], None]], tmp_path: Path) -> None:
     with pytest.raises(SharedBufferError, match=r"session 'mallory' refused"):
-        BufferClient(daemon.server.path, "mallory")
+        BufferClient(daemon.server.path, "mallory", token_of("mallory"))
     client(cleanup, daemon.server.path, "alice")
     with pytest.raises(SharedBufferError, match=r"session 'alice' refused: it is already connected"):
-        BufferClient(daemon.server.path, "alice")
+        BufferClient(daemon.server.path, "alice", token_of("alice"))
     absent = str(tmp_path / "none.sock")
     with pytest.raises(ConnectionError, match=absent):
-        BufferClient(absent, "alice")
+        BufferClient(absent, "alice", token_of("alice"))
     assert daemon.server.sessions == ["alice"]
+
+
+def test_a_claim_needs_the_sessions_token_and_a_refused_one_leaves_the_session_to_its_trainer(
+        daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    """issue 14, item 7: the session id alone claims nothing; a wrong or missing token is refused with
+    a message, and the session is still there for the trainer that holds the token."""
+    path = daemon.server.path
+    with pytest.raises(SharedBufferError, match=r"session 'alice' refused: the token given is not the session's"):
+        BufferClient(path, "alice", token_of("bob"))  # another session's (another job's) good token
+    replies = raw_exchange(path, frame({"op": "hello", "session": "alice"}))
+    assert len(replies) == 1 and "missing field 'token'" in replies[0]["error"], replies
+    replies = raw_exchange(path, frame({"op": "hello", "session": "alice", "token": "x" * 64}))
+    assert len(replies) == 1 and replies[0]["error"] == ("session 'alice' refused: the token given is not the "
+                                                        "session's"), replies
+    assert daemon.server.sessions == [] and daemon.closed == []
+
+    alice = client(cleanup, path, "alice")  # the session's own trainer claims it after all that
+    buf = alice.alloc(64)
+    buf.view(torch.int32, 0, 1)[0] = 7
+    assert daemon.server.get("alice", buf.buffer_id).view(torch.int32, 0, 1).item() == 7
+    with pytest.raises(SharedBufferError, match=r"session 'alice' refused: the token given is not the one that "
+                                                r"claimed it"):
+        BufferClient(path, "alice", token_of("bob"), attach=True)  # even from the claiming process
+    step_link = BufferClient(path, "alice", token_of("alice"), attach=True)
+    cleanup.append(step_link.close)
+    assert daemon.server.sessions == ["alice"] and alice.alloc(8).nbytes == 8
+
+
+def test_a_buffers_memfd_is_mode_0600_on_both_sides(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
+    """issue 14, item 7: a memfd is born 0777; the daemon's are its owner's only (the trainer maps the
+    descriptor it was passed, it never opens the inode)."""
+    own = SharedBuffer.create(4096, "own")
+    try:
+        st = os.fstat(own.fileno())
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    finally:
+        own.close()
+    alice = client(cleanup, daemon.server.path, "alice")
+    received = alice.alloc(4096)
+    daemons = daemon.server.get("alice", received.buffer_id)
+    assert os.path.samestat(os.fstat(received.fileno()), os.fstat(daemons.fileno()))
+    assert stat.S_IMODE(os.fstat(received.fileno()).st_mode) == 0o600
+    received.view(torch.float32, 0, 1)[0] = 2.5  # mapped read-write all the same
+    assert daemons.view(torch.float32, 0, 1).item() == 2.5
 
 
 def test_close_frees_everything_and_removes_the_socket(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
@@ -275,7 +324,7 @@ def frame(body: object) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
-HELLO_EVE = frame({"op": "hello", "session": "eve"})
+HELLO_EVE = frame({"op": "hello", "session": "eve", "token": token_of("eve")})
 GARBAGE = {
     "random bytes": random.Random(0).randbytes(3000),
     "huge length": struct.pack("<I", 0xFFFFFFFF) + b"{}",
@@ -286,9 +335,13 @@ GARBAGE = {
     "json array": frame([1, 2, 3]),
     "deeply nested": struct.pack("<I", 60000) + b"[" * 60000,
     "alloc before hello": frame({"op": "alloc", "nbytes": 10, "device": "cpu"}),
-    "unknown session": frame({"op": "hello", "session": "mallory"}),
-    "hello without session": frame({"op": "hello"}),
-    "session not a string": frame({"op": "hello", "session": 5}),
+    "unknown session": frame({"op": "hello", "session": "mallory", "token": token_of("mallory")}),
+    "hello without session": frame({"op": "hello", "token": token_of("eve")}),
+    "session not a string": frame({"op": "hello", "session": 5, "token": token_of("eve")}),
+    "hello without token": frame({"op": "hello", "session": "eve"}),
+    "wrong token": frame({"op": "hello", "session": "eve", "token": token_of("alice")}),
+    "empty token": frame({"op": "hello", "session": "eve", "token": ""}),
+    "token not ascii": frame({"op": "hello", "session": "eve", "token": "t\u00f6ken\ud800"}),
     "unknown op": HELLO_EVE + frame({"op": "steal"}),
     "nbytes a string": HELLO_EVE + frame({"op": "alloc", "nbytes": "10", "device": "cpu"}),
     "nbytes a bool": HELLO_EVE + frame({"op": "alloc", "nbytes": True, "device": "cpu"}),
@@ -357,8 +410,8 @@ def test_an_attached_fd_or_another_sessions_buffer_id_gets_nothing(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as eve:
         eve.settimeout(5)
         eve.connect(server.path)
-        for body in ({"op": "hello", "session": "eve"}, {"op": "free", "buffer": held.buffer_id},
-                     {"op": "alloc", "nbytes": 8, "device": "cpu"}):
+        for body in ({"op": "hello", "session": "eve", "token": token_of("eve")},
+                     {"op": "free", "buffer": held.buffer_id}, {"op": "alloc", "nbytes": 8, "device": "cpu"}):
             wire.send_message(eve, body)
             message = wire.recv_message(eve)
             if message.fd is not None:
@@ -422,6 +475,12 @@ def test_protocol_rejects_malformed_requests_naming_the_problem() -> None:
     with pytest.raises(ProtocolError, match=r"exceeds 65536"):
         wire.encode({"op": "hello", "session": "x" * (64 << 10)})
     assert wire.parse_request({"op": "alloc", "nbytes": 5, "device": "cuda:3"}) == wire.Alloc(5, "cuda:3")
+    with pytest.raises(ProtocolError, match=r"hello: missing field 'token'"):
+        wire.parse_request({"op": "hello", "session": "s"})
+    with pytest.raises(ProtocolError, match=r"hello: field 'token' must be printable ASCII"):
+        wire.parse_request({"op": "hello", "session": "s", "token": "t\n"})
+    hello = wire.parse_request({"op": "hello", "session": "s", "token": "secret-token"})
+    assert hello == wire.Hello("s", "secret-token") and "secret-token" not in repr(hello)
 
 
 # -- the socket file --------------------------------------------------------------------------
@@ -431,7 +490,7 @@ def test_socket_is_not_world_writable_and_a_live_path_is_not_taken_over(
     path = daemon.server.path
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
     client(cleanup, path, "alice")
-    second = BufferServer(path, lambda s: None)
+    second = BufferServer(path, lambda s, t: None)
     start = time.monotonic()
     with pytest.raises(OSError, match=f"buffer socket '{path}' is in use by a live daemon") as info:
         second.start()
@@ -452,7 +511,7 @@ def test_a_stale_socket_file_is_replaced_and_other_files_are_not(
 
     Path(sock_path).write_text("not a socket")
     with pytest.raises(OSError, match=f"buffer socket path '{sock_path}' exists and is not a socket"):
-        BufferServer(sock_path, lambda s: None).start()
+        BufferServer(sock_path, lambda s, t: None).start()
     assert Path(sock_path).read_text() == "not a socket"
 
 
@@ -550,7 +609,7 @@ def test_steps_run_on_extra_connections_of_the_session_and_end_with_it(daemon_fa
 
     d = daemon_factory(on_step=on_step)
     main = client(cleanup, sock_path, "alice")
-    extra = [BufferClient(sock_path, "alice", timeout_s=10, attach=True) for _ in range(2)]
+    extra = [BufferClient(sock_path, "alice", token_of("alice"), timeout_s=10, attach=True) for _ in range(2)]
     for c in extra:
         cleanup.append(c.close)
     replies: list[dict[str, Any]] = []
@@ -576,12 +635,12 @@ def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_
     daemon_factory(on_step=lambda info, request: wire.reply_ok())
     client(cleanup, sock_path, "alice")
     code = ("from zend.buffers import BufferClient\n"
-            f"BufferClient({sock_path!r}, 'alice', timeout_s=10, attach=True)\n")
+            f"BufferClient({sock_path!r}, 'alice', {token_of('alice')!r}, timeout_s=10, attach=True)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert proc.returncode != 0 and "belongs to another process" in proc.stderr, proc.stderr[-500:]
     with pytest.raises(SharedBufferError, match="no connected session"):
-        BufferClient(sock_path, "bob", timeout_s=10, attach=True)  # known, but nobody claimed it
+        BufferClient(sock_path, "bob", token_of("bob"), timeout_s=10, attach=True)  # known, but nobody claimed it
 
 
 def test_steps_are_refused_where_the_daemon_does_not_serve_them(daemon, sock_path, cleanup):

@@ -1,6 +1,7 @@
 """A trainer in its own process, holding buffers from the daemon, for the buffer tests.
 
-Run as ``python -m tests.buffers.trainer PATH SESSION``: it connects a BufferClient, then
+Run as ``python -m tests.buffers.trainer PATH SESSION [TOKEN]``: it connects a BufferClient (with
+TOKEN, by default :func:`token_of` the session), then
 answers one JSON command per stdin line with one JSON line on stdout:
 ``{"cmd": "alloc", "nbytes": N, "device": "cpu"}`` -> ``{"buffer": id}``;
 ``{"cmd": "write", "buffer": id, "offset": o, "values": [...]}`` (float32) -> ``{}``;
@@ -26,11 +27,17 @@ from zend.buffers import BufferClient, SharedBuffer
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def token_of(session: str) -> str:
+    """The token the tests' buffer daemons expect with a session's claim."""
+    return f"token-of-{session}"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     path, session = sys.argv[1], sys.argv[2]
+    token = sys.argv[3] if len(sys.argv) > 3 else token_of(session)
     buffers: dict[str, SharedBuffer] = {}
-    with BufferClient(path, session) as client:
+    with BufferClient(path, session, token) as client:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             cmd = json.loads(line)

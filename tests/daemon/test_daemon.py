@@ -252,7 +252,7 @@ def test_repeated_submission_returns_the_same_result(cluster4):
 
 def test_status_reports_peers_sessions_and_tensors(cluster4):
     run = subprocess.run([sys.executable, "-m", "zend", "status", "--json", "--socket-dir", cluster4.socket_dir(1)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=cluster4.env)  # the secret: the full view
     assert run.returncode == 0, run.stderr
     import json
 
@@ -274,6 +274,101 @@ def test_status_and_health_find_the_daemon_through_zen_socket_dir(cluster4):
                          env={**env, "ZEND_SOCKET_DIR": cluster4.socket_dir(3)})
     assert run.returncode == 0 and '"node_rank": 3' in run.stdout, run.stderr
     assert "$ZEND_SOCKET_DIR is deprecated" in run.stderr and "$ZEN_SOCKET_DIR" in run.stderr
+
+
+def _operator_calls(address: str):  # type: ignore[no-untyped-def]
+    from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    return channel, pb_grpc.OperatorStub(channel)
+
+
+def _bearer(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def test_the_operator_api_needs_the_operator_token_and_undrain_restores_serving(fresh_cluster):
+    """Over --grpc-listen (TCP) and the unix socket: Status without the operator token names no job, tensor,
+    pid or address; Drain with a wrong or no token is UNAUTHENTICATED and changes nothing; with the token it
+    drains (NOT_SERVING, steps refused), and Undrain admits steps again (SERVING, a step goes through)."""
+    from zend.cluster.local import free_port
+    from zend.protocol.health import health_status
+
+    tcp = f"127.0.0.1:{free_port()}"
+    c = fresh_cluster(1, extra=["--log-format", "text", "--grpc-listen", tcp])
+    unix = f"unix:{os.path.join(c.socket_dir(0), 'zend.sock')}"
+    operator = c.operator_token()
+    assert operator != c.token("secret-job") and len(operator) == 64
+    with TrainerSession(c.socket_dir(0), "secret-job", c.token("secret-job"), 0, 1, timeout_s=30) as link:
+        h = link.register("hidden_embedding", (50, 2))
+        link.allreduce(h, random_grad(50, 2, 1), 0)
+        for address in (tcp, unix):
+            channel, stub = _operator_calls(address)
+            with channel:
+                redacted = stub.Status(pb.StatusRequest(), timeout=10)
+                full = stub.Status(pb.StatusRequest(), timeout=10, metadata=_bearer(operator))
+            # the full view names them, so their absence below is the redaction's doing
+            assert not full.redacted and full.sessions[0].job_id == "secret-job"
+            assert full.sessions[0].pid == os.getpid() and full.tensors[0].name == "hidden_embedding"
+            wire = redacted.SerializeToString()
+            assert redacted.redacted and b"secret-job" not in wire and b"hidden_embedding" not in wire
+            assert not redacted.sessions and not redacted.tensors  # where pids, shapes and job ids live
+            assert (redacted.session_count, redacted.tensor_count) == (1, 1)
+            assert (redacted.node_rank, redacted.node_count, redacted.membership) == (0, 1, "static")
+
+        channel, stub = _operator_calls(tcp)
+        with channel:
+            for metadata in ([], _bearer(c.token("secret-job")), _bearer("0" * 64), [("authorization", operator)]):
+                for call, request in ((stub.Drain, pb.DrainRequest(timeout_seconds=1)),
+                                      (stub.Undrain, pb.UndrainRequest())):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call(request, timeout=10, metadata=metadata)
+                    assert status_code(refused.value) == "UNAUTHENTICATED", metadata
+                    assert "operator token" in refused.value.details()
+            with pytest.raises(grpc.RpcError) as refused:  # a wrong token is refused, not redacted
+                stub.Status(pb.StatusRequest(), timeout=10, metadata=_bearer(c.token("secret-job")))
+            assert status_code(refused.value) == "UNAUTHENTICATED"
+            assert health_status(tcp, 5) == "SERVING"
+            torch.testing.assert_close(link.allreduce(h, random_grad(50, 2, 2), 1).to_dense(),
+                                       random_grad(50, 2, 2).to_dense())  # still serving steps
+
+            drained = stub.Drain(pb.DrainRequest(timeout_seconds=5), timeout=30, metadata=_bearer(operator))
+            assert (drained.completed, drained.abandoned) == (0, 0)
+            assert health_status(tcp, 5) == "NOT_SERVING" and health_status(unix, 5) == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as draining:
+                link.allreduce(h, random_grad(50, 2, 3), 2)
+            assert status_code(draining.value) == "UNAVAILABLE" and "draining" in draining.value.details()
+
+            undrained = stub.Undrain(pb.UndrainRequest(), timeout=10, metadata=_bearer(operator))
+            assert undrained.serving and undrained.reason == ""
+            assert health_status(tcp, 5) == "SERVING" and health_status(unix, 5) == "SERVING"
+            assert not stub.Status(pb.StatusRequest(), timeout=10).draining
+            out = link.allreduce(h, random_grad(50, 2, 3), 2)
+            torch.testing.assert_close(out.to_dense(), random_grad(50, 2, 3).to_dense())
+    assert "operator call refused" in c.log_path(0).read_text()
+
+
+def test_the_trainer_service_is_on_tcp_only_when_enabled(fresh_cluster):
+    from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+    from zend.cluster.local import free_port
+
+    def open_session(address: str, token: str):  # type: ignore[no-untyped-def]
+        with grpc.insecure_channel(address) as channel:
+            return pb_grpc.TrainerStub(channel).OpenSession(
+                pb.OpenSessionRequest(job_id="j", local_rank=0, local_world_size=1, pid=os.getpid()), timeout=10,
+                metadata=_bearer(token))
+
+    off, on = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    default = fresh_cluster(1, extra=["--log-format", "text", "--grpc-listen", off])
+    with pytest.raises(grpc.RpcError) as refused:
+        open_session(off, default.token("j"))
+    assert status_code(refused.value) == "UNIMPLEMENTED"
+    assert open_session(f"unix:{os.path.join(default.socket_dir(0), 'zend.sock')}", default.token("j")).session_id
+    enabled = fresh_cluster(1, extra=["--log-format", "text", "--grpc-listen", on, "--grpc-listen-trainers", "1"])
+    assert open_session(on, enabled.token("j")).session_id
+    log = enabled.log_path(0).read_text()
+    assert "WARNING" in log and "Trainer service is served on TCP" in log
+    assert "Trainer service is served on TCP" not in default.log_path(0).read_text()
 
 
 def test_a_killed_peer_daemon_aborts_the_step_for_every_trainer_in_bounded_time(fresh_cluster):
@@ -374,7 +469,7 @@ def test_rendezvous_through_torch_tcpstore(fresh_cluster):
     c = fresh_cluster(3, rendezvous=True, extra=["--log-format", "text"])
     _sum_on_every_node(c, 3)
     run = subprocess.run([sys.executable, "-m", "zend", "status", "--json", "--socket-dir", c.socket_dir(2)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=c.env)  # the store's address: full view
     assert '"membership": "rendezvous tcpstore://127.0.0.1:' in run.stdout and '"generation": 1' in run.stdout
 
 
@@ -405,7 +500,7 @@ def test_rendezvous_env_takes_torchruns_node_level_variables(tmp_path):
     with TorchrunEnvCluster(2, tmp_path, extra=["--log-format", "text"]) as c:
         _sum_on_every_node(c, 2)
         run = subprocess.run([sys.executable, "-m", "zend", "status", "--json", "--socket-dir", c.socket_dir(1)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=c.base_env)
         assert f'"membership": "rendezvous tcpstore://127.0.0.1:{c.port}' in run.stdout, run.stdout
 
 

@@ -181,6 +181,13 @@ def test_settings_come_from_flags_then_environment_then_file(tmp_path):
     assert s.sources["hash_seed"] == "flag" and s.sources["metrics_port"] == "$ZEND_METRICS_PORT"
 
 
+def test_metrics_bind_this_host_and_trainers_stay_off_tcp_by_default():
+    s = resolve({}, env={})
+    assert (s.metrics_host, s.grpc_listen, s.grpc_listen_trainers) == ("127.0.0.1", "", 0)
+    s = resolve({"grpc_listen": "0.0.0.0:7070"}, env={"ZEND_METRICS_HOST": "0.0.0.0", "ZEND_GRPC_LISTEN_TRAINERS": "1"})
+    assert (s.metrics_host, s.grpc_listen_trainers) == ("0.0.0.0", 1)
+
+
 @pytest.mark.parametrize(("flags", "env", "message"), [
     ({"world_size": 2, "rank": 2, "peers": "tcp://a:1,tcp://b:2"}, {}, r"rank=2 \(from flag\): must be in \[0, 2\)"),
     ({"world_size": 3, "peers": "tcp://a:1,tcp://b:2"}, {}, "lists 2 addresses for a world size of 3"),
@@ -189,6 +196,8 @@ def test_settings_come_from_flags_then_environment_then_file(tmp_path):
     ({}, {"ZEND_STEP_TIMEOUT_S": "soon"}, r"step_timeout_s='soon' \(from \$ZEND_STEP_TIMEOUT_S\) is not a valid float"),
     ({"world_size": 2}, {}, "more than one node needs peers or rendezvous"),
     ({"metrics_port": 70000}, {}, "metrics_port=70000"),
+    ({"grpc_listen_trainers": 1}, {}, r"grpc_listen_trainers=1 \(from flag\): needs grpc_listen"),
+    ({"grpc_listen": "127.0.0.1:7070"}, {"ZEND_GRPC_LISTEN_TRAINERS": "2"}, "grpc_listen_trainers=2 .*must be 0 or 1"),
     ({"rendezvous": "env", "listen": "tcp://a:1"}, {"MASTER_ADDR": "a", "PET_NODE_RANK": "0", "PET_NNODES": "1:4"},
      r"rendezvous='env': environment variable PET_NNODES='1:4' is not an integer \(a range: an elastic job"),
     ({"rendezvous": "env", "listen": "tcp://a:1", "rank": 1}, {"MASTER_ADDR": "a", "NODE_RANK": "0", "NNODES": "2"},

@@ -65,6 +65,18 @@ def test_compose_images_and_build_are_set_by_environment_variables():
     assert any("19090" in str(p) for p in services["prometheus"]["ports"])
 
 
+def test_compose_daemons_serve_metrics_to_prometheus_in_another_container():
+    """zend binds its metrics to 127.0.0.1 unless told otherwise: Prometheus' container needs them on 0.0.0.0,
+    and no daemon serves its Trainer service on TCP."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert any(f"zend-{i}:7071" in str(scrape) for i in range(2)), "prometheus.yml scrapes no zend"
+    for i in range(2):
+        env = services[f"zend-{i}"]["environment"]
+        assert env["ZEND_METRICS_HOST"] == "0.0.0.0"
+        assert env.get("ZEND_GRPC_LISTEN_TRAINERS", "0") == "0"
+
+
 def test_dockerfile_copies_what_exists_runs_as_non_root_and_checks_health():
     text = (ROOT / "deploy/Dockerfile").read_text()
     for line in re.findall(r"^COPY (?!--from)(.+)$", text, flags=re.M):

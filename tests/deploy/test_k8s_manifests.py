@@ -329,7 +329,11 @@ def test_zend_resolves_its_settings_in_the_pod(name: str, tmp_path: Path) -> Non
         assert store_host == RANK0_NODE_IP and s.world_size == 2
         assert spec.get("hostNetwork", False) or own["zen-rdzv"]["hostPort"] == int(store_port), \
             "on the pod network, rank 0's store is reached at its node's IP through a hostPort"
-    # the kubelet's gRPC probes: the port zend serves gRPC on, service "" (the overall health)
+    # Prometheus scrapes from another pod: the metrics must not stay on zend's default, 127.0.0.1
+    assert s.metrics_host in ("0.0.0.0", FIELD_VALUES["status.podIP"]), s.metrics_host
+    # the kubelet's gRPC probes: the port zend serves gRPC on, service "" (the overall health); the Trainer
+    # service stays on the unix socket (trainers share /run/zend), never on that TCP port
+    assert s.grpc_listen_trainers == 0
     grpc_port = int(s.grpc_listen.rsplit(":", 1)[1])
     assert own["zen-grpc"]["containerPort"] == grpc_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -38,8 +38,8 @@ buf.close()
 class Daemon:
     def __init__(self, path: str) -> None:
         self.closed = threading.Event()
-        self.server = BufferServer(path, lambda s: SessionInfo(s, "job"), on_session_closed=lambda s: self.closed.set(),
-                                   cuda_pool=True)
+        self.server = BufferServer(path, lambda s, t: SessionInfo(s, "job"),
+                                   on_session_closed=lambda s: self.closed.set(), cuda_pool=True)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ socket (:class:`BufferClient`) and maps the same memory: :class:`SharedBuffer` o
 """
 
 from zend.buffers.buffer_client import BufferClient
-from zend.buffers.buffer_server import BufferServer, SessionInfo
+from zend.buffers.buffer_server import BufferServer, ClaimRefused, SessionInfo
 from zend.buffers.cuda import CudaBuffer
 from zend.buffers.shared import SharedBuffer, SharedBufferError
 from zend.buffers.wire import ProtocolError
@@ -14,6 +14,7 @@ from zend.buffers.wire import ProtocolError
 __all__ = [
     "BufferClient",
     "BufferServer",
+    "ClaimRefused",
     "CudaBuffer",
     "ProtocolError",
     "SessionInfo",

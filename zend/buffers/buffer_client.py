@@ -23,7 +23,7 @@ class BufferClient:
 
     Example::
 
-        with BufferClient("/run/zend/buffers.sock", session_id) as buffers:
+        with BufferClient("/run/zend/buffers.sock", session_id, job_token) as buffers:
             buf = buffers.alloc(1 << 20)
             grad = buf.view(torch.float32, 0, 1000)   # write the gradient here, in place
 
@@ -33,8 +33,9 @@ class BufferClient:
         SharedBufferError: the daemon refused the session or a request (its message).
     """
 
-    def __init__(self, path: str, session_id: str, timeout_s: float = 10.0, attach: bool = False) -> None:
-        """`attach`: an extra connection of this process's connected session, for `step` only."""
+    def __init__(self, path: str, session_id: str, token: str, timeout_s: float = 10.0, attach: bool = False) -> None:
+        """`token`: the job token the session was opened with (the daemon refuses a claim without it).
+        `attach`: an extra connection of this process's connected session, for `step` only."""
         self.path = path
         self.session_id = session_id
         self._lock = threading.Lock()
@@ -52,7 +53,8 @@ class BufferClient:
             raise OSError(exc.errno, f"cannot connect to buffer socket {path!r}: {exc.strerror or exc}") from exc
         self._sock = sock
         try:
-            self._request({"op": "hello", "session": session_id, **({"attach": True} if attach else {})})
+            self._request({"op": "hello", "session": session_id, "token": token,
+                           **({"attach": True} if attach else {})})
         except BaseException:
             self.close()
             raise

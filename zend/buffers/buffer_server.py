@@ -1,11 +1,12 @@
 """The daemon side of the buffer socket: a pool of shared buffers, each owned by one trainer session.
 
-A trainer connects to the unix socket, says hello with its session id, and asks for buffers;
-the daemon creates them (memfd for "cpu", CUDA memory for "cuda:N") and passes them back. The
-connection *is* the session: when it ends for any reason (the trainer closed it, exited or was
-killed), every buffer of the session is freed and ``on_session_closed`` is called, so a dead
-trainer can never leak memory. One thread per connection; a connection that sends anything
-malformed is dropped without disturbing the others. ``get`` is safe to call from any thread.
+A trainer connects to the unix socket, says hello with its session id and its job token (the
+id alone claims nothing), and asks for buffers; the daemon creates them (memfd, mode 0600, for
+"cpu", CUDA memory for "cuda:N") and passes them back. The connection *is* the session: when
+it ends for any reason (the trainer closed it, exited or was killed), every buffer of the
+session is freed and ``on_session_closed`` is called, so a dead trainer can never leak memory.
+One thread per connection; a connection that sends anything malformed is dropped without
+disturbing the others. ``get`` is safe to call from any thread.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hmac
 import logging
 import os
 import secrets
@@ -35,6 +37,10 @@ SOCKET_MODE = 0o660  # owner and group (the trainers' group) only: never world-w
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
+class ClaimRefused(Exception):
+    """Raised by ``authenticate`` to refuse a hello, with the reason the trainer is told."""
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     """Who a session is: returned by the daemon's ``authenticate``; ``pid`` is filled in from the socket."""
@@ -47,6 +53,7 @@ class SessionInfo:
 @dataclass(eq=False)
 class _Session:
     info: SessionInfo
+    token: bytes  # what its claiming hello proved; a step connection must present it too
     buffers: dict[str, SharedBuffer] = field(default_factory=dict)
     nbytes: int = 0  # its buffers plus allocations in flight
     ended: bool = False
@@ -61,7 +68,9 @@ class BufferServer:
 
     Args:
         path: where to bind the socket (removed again by :meth:`close`).
-        authenticate: maps a hello's session id to its :class:`SessionInfo`, or None to refuse it.
+        authenticate: maps a hello's session id and token to its :class:`SessionInfo`, None for an
+            unknown session, or raises :class:`ClaimRefused` (a wrong token: the session must stay
+            claimable by its own trainer).
         on_session_closed: called with the session id after a session's buffers are freed.
         on_step: runs a trainer's "step" request (the daemon's Submit) and returns the reply body;
             None: steps are refused (Submit over gRPC only).
@@ -71,7 +80,7 @@ class BufferServer:
         hello_timeout_s: how long a new connection may take to say hello.
     """
 
-    def __init__(self, path: str, authenticate: Callable[[str], SessionInfo | None], *,
+    def __init__(self, path: str, authenticate: Callable[[str, str], SessionInfo | None], *,
                  on_session_closed: Callable[[str], None] = lambda s: None, on_step: StepHandler | None = None,
                  max_session_bytes: int = 64 << 30, max_total_bytes: int = 256 << 30, cuda_pool: bool = False,
                  hello_timeout_s: float = 10.0) -> None:
@@ -215,7 +224,7 @@ class BufferServer:
             conn.settimeout(self._hello_timeout_s)
             hello = _request(conn)
             if isinstance(hello, wire.Hello) and hello.attach:
-                session, attached = self._attach(conn, hello.session, pid), True
+                session, attached = self._attach(conn, hello, pid), True
             else:
                 session = self._hello(conn, hello, pid)
             if session is None:
@@ -250,16 +259,20 @@ class BufferServer:
             elif session is not None:
                 self._end_session(session)
 
-    def _attach(self, conn: socket.socket, session_id: str, pid: int | None) -> _Session | None:
-        """A step connection of a connected session, from the process that holds it; None if refused."""
+    def _attach(self, conn: socket.socket, hello: wire.Hello, pid: int | None) -> _Session | None:
+        """A step connection of a connected session, from the process that holds it, with the token
+        that claimed it; None if refused."""
+        session_id = hello.session
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is not None and not session.ended and pid is not None and session.info.pid == pid:
+            if session is not None and not session.ended and pid is not None and session.info.pid == pid \
+                    and hmac.compare_digest(session.token, hello.token.encode()):
                 session.attached.add(conn)
                 return session
         error = (f"session {session_id!r} refused: no connected session of this process has that id"
-                 if session is None or session.info.pid == pid else
-                 f"session {session_id!r} refused: it belongs to another process")
+                 if session is None else
+                 f"session {session_id!r} refused: it belongs to another process" if session.info.pid != pid else
+                 f"session {session_id!r} refused: the token given is not the one that claimed it")
         log.warning("buffer socket: pid %s: %s", pid, error)
         wire.send_message(conn, wire.reply_error(error))
         return None
@@ -269,15 +282,15 @@ class BufferServer:
         if not isinstance(request, wire.Hello):
             raise wire.ProtocolError(f"the first request must be 'hello', got {type(request).__name__.lower()!r}")
         session_id = request.session
+        error = f"session {session_id!r} refused: the daemon does not know it"
         try:
-            info = self._authenticate(session_id)
+            info = self._authenticate(session_id, request.token)
+        except ClaimRefused as exc:  # the session, if it exists, stays unclaimed for its own trainer
+            info, error = None, f"session {session_id!r} refused: {exc}"
         except Exception:
             log.exception("buffer socket: authenticate(%r) failed", session_id)
             info = None
-        error = None
-        if info is None or info.session_id != session_id:
-            error = f"session {session_id!r} refused: the daemon does not know it"
-        else:
+        if info is not None and info.session_id == session_id:
             info = dataclasses.replace(info, pid=pid)
             with self._lock:
                 if self._closed:
@@ -285,7 +298,7 @@ class BufferServer:
                 elif session_id in self._sessions:
                     error = f"session {session_id!r} refused: it is already connected"
                 else:
-                    session = _Session(info)
+                    session = _Session(info, request.token.encode())
                     self._sessions[session_id] = session
                     return session
         log.warning("buffer socket: pid %s: %s", pid, error)

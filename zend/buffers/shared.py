@@ -25,6 +25,7 @@ from typing import Self
 import torch
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+BUFFER_MODE = 0o600  # of the memfd's inode: owner only (the descriptor passed over the socket needs no more)
 
 
 class SharedBufferError(ValueError):
@@ -68,6 +69,9 @@ class SharedBuffer:
             raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
         fd = os.memfd_create(f"zend-buffer-{buffer_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            # memfds are born 0777: anyone who could reach the descriptor by /proc/<pid>/fd/N could open
+            # it. The trainer gets it over the socket and maps it from there, so the inode owes nobody else.
+            os.fchmod(fd, BUFFER_MODE)
             os.ftruncate(fd, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -5,7 +5,7 @@ buffers do. Each message is a 4-byte little-endian length and a UTF-8 JSON objec
 ``MAX_MESSAGE_BYTES``; a message may carry one file descriptor (``socket.send_fds``). Requests
 (trainer -> daemon)::
 
-    {"op": "hello", "session": "<id>"}                   first, once
+    {"op": "hello", "session": "<id>", "token": "<t>"}   first, once
     {"op": "alloc", "nbytes": N, "device": "cpu"}        or "cuda:N"
     {"op": "free", "buffer": "<id>"}
     {"op": "step", "tensor": T, "step": S, "input": "<id>", "input_offset": O, "nnz": K,
@@ -14,8 +14,12 @@ buffers do. Each message is a 4-byte little-endian length and a UTF-8 JSON objec
 A "step" is a Submit without gRPC (the step's doorbell: a no-op gRPC call costs 0.5-0.9 ms of
 CPU, this one about 0.05): the daemon runs it as it runs a Submit and replies with the step's
 figures, or with an error and its status code name. A trainer may open more connections to its
-session, for steps only, with ``{"op": "hello", "session": "<id>", "attach": true}`` from the
-same process: one per thread that submits, so that steps of different tensors overlap.
+session, for steps only, with ``{"op": "hello", "session": "<id>", "token": "<t>", "attach": true}``
+from the same process: one per thread that submits, so that steps of different tensors overlap.
+
+A hello's ``token`` is the job token the session was opened with: the session id alone claims
+nothing (another job's process that learnt it must not take the session, nor its buffers). A
+hello with a wrong token is refused and leaves the session to its trainer.
 
 Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "<message>"}``; an alloc reply adds
 ``"buffer"``, ``"nbytes"`` and ``"device"``, with the memfd attached for "cpu" or a
@@ -31,7 +35,7 @@ import os
 import re
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 HEADER = struct.Struct("<I")
@@ -56,6 +60,7 @@ class Message:
 @dataclass(frozen=True)
 class Hello:
     session: str
+    token: str = field(repr=False)  # the job token the session was opened with: a secret, never logged
     attach: bool = False  # an extra connection of a connected session, for steps only
 
 
@@ -159,7 +164,13 @@ def parse_request(body: dict[str, Any]) -> Request:
         attach = body.get("attach", False)
         if not isinstance(attach, bool):
             raise ProtocolError(f"hello: field 'attach' must be bool, got {type(attach).__name__}")
-        return Hello(_field(body, "session", str), attach)
+        if "token" not in body:
+            raise ProtocolError("hello: missing field 'token' (the job token the session was opened with; "
+                                "a session id alone claims nothing)")
+        token = _field(body, "token", str)
+        if not (token.isascii() and token.isprintable()):
+            raise ProtocolError("hello: field 'token' must be printable ASCII")
+        return Hello(_field(body, "session", str), token, attach)
     if op == "alloc":
         nbytes = _field(body, "nbytes", int)
         device = _field(body, "device", str)

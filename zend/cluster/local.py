@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from zend.daemon.jobs import job_token
+from zend.daemon.jobs import job_token, operator_token
 from zend.protocol import paths
 from zend.protocol.health import health_status
 
@@ -69,6 +69,10 @@ class LocalCluster:
 
     def token(self, job: str) -> str:
         return job_token(self.secret, job)
+
+    def operator_token(self) -> str:
+        """What the Operator service asks for (full Status, Drain, Undrain)."""
+        return operator_token(self.secret)
 
     def argv(self, node: int) -> list[str]:
         membership = ["--rendezvous", self.store, "--listen", self.peers[node]] if self.store else [

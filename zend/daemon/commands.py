@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -29,8 +30,14 @@ HELP = {
     "listen": "this node's data-plane URI (default: its entry in --peers)",
     "transport": "tcp, ucx or auto", "secret_file": "file with the cluster secret (or $ZEN_CLUSTER_SECRET_FILE / "
                                                     "$ZEN_CLUSTER_SECRET; never on the command line)",
+    "data_plane_security": "aead: every frame between daemons authenticated and encrypted (AES-256-GCM, keys "
+                           "per link from the handshake); none: in clear, for fabrics you trust (logged loudly)",
     "socket_dir": "folder of the trainer sockets zend.sock and buffers.sock",
-    "grpc_listen": "extra HOST:PORT for the gRPC services (operators, probes)",
+    "grpc_listen": "extra HOST:PORT (TCP) for the Operator service and health checks (operators, probes); the "
+                   "Trainer service stays on the unix socket unless --grpc-listen-trainers 1",
+    "grpc_listen_trainers": "1: serve the Trainer service on --grpc-listen too (job tokens cross the network in "
+                            "clear; trainers normally use the unix socket)",
+    "metrics_host": "address the Prometheus endpoint binds (0.0.0.0 for a Prometheus on another host or pod)",
     "metrics_port": "Prometheus port (0: off)",
     "max_tensors_per_job": "tensors one job may register on this node (RESOURCE_EXHAUSTED beyond)",
 }
@@ -51,10 +58,17 @@ def add_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="show a running daemon's members, peers, tensors and steps",
                             description="Show a running daemon's node, generation, peers, trainer sessions and "
                                         "tensors as tables; --json prints the Status reply (zen.v1.StatusReply, "
-                                        "every field by its proto name, numbers as JSON numbers) for scripts.")
+                                        "every field by its proto name, numbers as JSON numbers) for scripts. "
+                                        "It presents the operator token, derived from the cluster secret; "
+                                        "without a secret the daemon shows node-level fields only (no jobs, "
+                                        "tensors, sessions or peer addresses), and --drain / --undrain refuse.")
     _add_daemon_address(status)
-    status.add_argument("--drain", type=float, default=None, metavar="SECONDS",
-                        help="ask the daemon to drain (finish steps in flight, refuse new ones)")
+    change = status.add_mutually_exclusive_group()
+    change.add_argument("--drain", type=float, default=None, metavar="SECONDS",
+                        help="ask the daemon to drain (finish steps in flight, refuse new ones; health NOT_SERVING)")
+    change.add_argument("--undrain", action="store_true",
+                        help="undo a drain: admit steps again (health SERVING once the node is whole)")
+    _add_secret_file(status)
     status.add_argument("--json", action="store_true", help="print the reply as JSON instead of tables")
     status.set_defaults(run=cmd_status)
     health = sub.add_parser("health", help="exit 0 if the daemon's grpc.health.v1 check says SERVING (probes)")
@@ -66,12 +80,21 @@ def add_commands(sub: Any) -> None:
                                        "it must outlive every daemon (run it beside the cluster, not in a node).")
     store.add_argument("--listen", required=True, metavar="HOST:PORT")
     store.set_defaults(run=cmd_store)
-    token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon)")
-    token.add_argument("--job", required=True)
-    token.add_argument("--secret-file", default=None,
-                       help="file with the cluster secret (default $ZEN_CLUSTER_SECRET_FILE, else the secret "
-                            "itself from $ZEN_CLUSTER_SECRET)")
+    token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon), or the "
+                                         "operator token (zend status, Drain, Undrain)")
+    which = token.add_mutually_exclusive_group(required=True)
+    which.add_argument("--job", help="the job whose token to print")
+    which.add_argument("--operator", action="store_true",
+                       help="print the operator token: gRPC metadata 'authorization: Bearer <token>' of the "
+                            "Operator service (full Status, Drain, Undrain)")
+    _add_secret_file(token)
     token.set_defaults(run=cmd_token)
+
+
+def _add_secret_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--secret-file", default=None,
+                        help="file with the cluster secret (default $ZEN_CLUSTER_SECRET_FILE, else the secret "
+                             "itself from $ZEN_CLUSTER_SECRET)")
 
 
 def _add_daemon_address(parser: argparse.ArgumentParser) -> None:
@@ -121,9 +144,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     while not stop_requested and not daemon.wait(0.2):
         pass
-    daemon.drain(settings.drain_timeout_s)
+    daemon.drain(settings.drain_timeout_s, final=True)
     daemon.stop()
     return 0
+
+
+def _operator_token(secret_file: str | None) -> str | None:
+    """The operator token from the cluster secret, read as `zend serve` reads it; None when no secret is set.
+    OSError or SecretError when one is named but cannot be used."""
+    from zend.daemon.jobs import operator_token
+    from zend.daemon.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
+
+    if not (secret_file or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV)):
+        return None
+    return operator_token(load_secret(secret_file))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -131,22 +165,44 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from zend.api.zen.v1 import zen_pb2 as pb
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
+    from zend.daemon.secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
 
     address = _daemon_address(args)
+    try:
+        token = _operator_token(args.secret_file)
+    except (OSError, SecretError) as exc:
+        print(f"zend status: cluster secret: {exc}", file=sys.stderr)
+        return 2
+    if token is None and (args.drain is not None or args.undrain):
+        print(f"zend status: --{'drain' if args.drain is not None else 'undrain'} needs the operator token, "
+              f"derived from the cluster secret, and no secret is set: give --secret-file FILE, or set "
+              f"${SECRET_FILE_ENV} or ${SECRET_ENV}", file=sys.stderr)
+        return 2
+    metadata = [("authorization", f"Bearer {token}")] if token is not None else []
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.OperatorStub(channel)
         try:
             if args.drain is not None:
-                reply = stub.Drain(pb.DrainRequest(timeout_seconds=args.drain), timeout=args.drain + 10)
+                reply = stub.Drain(pb.DrainRequest(timeout_seconds=args.drain), timeout=args.drain + 10,
+                                   metadata=metadata)
+            elif args.undrain:
+                reply = stub.Undrain(pb.UndrainRequest(), timeout=10, metadata=metadata)
             else:
-                reply = stub.Status(pb.StatusRequest(), timeout=10)
+                reply = stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
         except grpc.RpcError as exc:
             print(f"zend status: daemon at {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    if args.drain is None and not args.undrain and reply.redacted:
+        print(f"zend status: no cluster secret set, so no operator token: showing the redacted view (no jobs, "
+              f"tensors, sessions, pids or peer addresses); give --secret-file FILE, or set ${SECRET_FILE_ENV} "
+              f"or ${SECRET_ENV}, for all of it", file=sys.stderr)
     if args.json:
         print(json.dumps(message_dict(reply), indent=1))
     elif args.drain is not None:
         print(f"zend status: {address} drained: {reply.completed} steps completed, {reply.abandoned} abandoned")
+    elif args.undrain:
+        print(f"zend status: {address} undrained: " + ("serving" if reply.serving else f"not serving yet: "
+                                                                                        f"{reply.reason}"))
     else:
         print(format_status(reply))
     return 0
@@ -181,6 +237,12 @@ def format_status(reply: Any) -> str:
     if reply.last_membership_change:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reply.last_membership_change_unix))
         lines.append(f"last membership change {when}: {reply.last_membership_change}")
+    if reply.redacted:
+        lines += ["", *_table(f"peers ({len(reply.peers)})", ["rank", "state"],
+                              [[p.rank, "connected" if p.connected else "down"] for p in reply.peers])]
+        lines += ["", f"sessions: {reply.session_count}; tensors: {reply.tensor_count} (redacted: no operator "
+                      "token; jobs, tensors, pids and addresses need the cluster secret)"]
+        return "\n".join(lines)
     lines += ["", *_table(f"peers ({len(reply.peers)})", ["rank", "address", "state"],
                           [[p.rank, p.address, "connected" if p.connected else f"down: {p.error or '?'}"]
                            for p in reply.peers])]
@@ -265,11 +327,12 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    from zend.daemon.jobs import job_token
+    from zend.daemon.jobs import job_token, operator_token
     from zend.daemon.secret import SecretError, load_secret
 
     try:
-        print(job_token(load_secret(args.secret_file), args.job))
+        secret = load_secret(args.secret_file)
+        print(operator_token(secret) if args.operator else job_token(secret, args.job))
     except (OSError, SecretError) as exc:
         print(f"zend token: {exc}", file=sys.stderr)
         return 2  # as `zend serve` without a usable secret: a setting to fix, not a failure to retry

@@ -23,11 +23,12 @@ from grpc_reflection.v1alpha import reflection
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-from zend.buffers import BufferServer, SessionInfo
+from zend.buffers import BufferServer, ClaimRefused, SessionInfo
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
 from zend.daemon.elastic import ElasticRendezvous
-from zend.daemon.jobs import JobRegistry, Session
+from zend.daemon.errors import FAILED_PRECONDITION, StepError
+from zend.daemon.jobs import JobRegistry, Session, operator_token
 from zend.daemon.membership import Membership, MembershipError, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
 from zend.daemon.node_steps import NodeSteps
@@ -45,6 +46,7 @@ from zend.transport.link_transport import LinkTransport, PeerState
 log = logging.getLogger("zend.daemon")
 MAX_CONTROL_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused by gRPC
 SERVICES = ("zen.v1.Trainer", "zen.v1.Operator")
+TCP_GRPC_WORKERS = 8  # --grpc-listen without trainers: operators and probes only
 
 
 class Daemon:
@@ -64,7 +66,10 @@ class Daemon:
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
-        self.grpc_server: grpc.Server | None = None
+        self.grpc_server: grpc.Server | None = None  # the unix socket: every service
+        self.tcp_grpc_server: grpc.Server | None = None  # --grpc-listen: Operator and health (Trainer if enabled)
+        self._health_lock = threading.Lock()  # a health change and the state it is read from, as one
+        self._final_drain = False  # the drain before stopping: no Undrain after it
         self.health = health.HealthServicer()
         self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
                                      "not started")  # start() finds the real one
@@ -79,11 +84,15 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Daemon:
         s = self.settings
+        make_undumpable()  # before the first buffer exists
         os.makedirs(s.socket_dir, mode=0o750, exist_ok=True)
         self.buffers.start()
         self._start_grpc()
         if s.metrics_port:
             self.metrics.serve(s.metrics_host, s.metrics_port)  # OSError at once if the port is taken
+        if s.data_plane_security == "none":
+            log.warning("DATA PLANE IN CLEAR: --data-plane-security none; gradients between daemons can be read "
+                        "and rewritten by anyone on the path", extra={"event": "security", "security": "none"})
         self.membership = self._find_membership()
         self._start_data_plane()
         self._open_steps()
@@ -91,8 +100,9 @@ class Daemon:
         self._spawn(self._housekeeping, "housekeeping")
         if self.elastic is not None:
             self._spawn(self._watch_membership, "membership")
-        if not self.trainer_steps.draining:  # an operator may have drained it while it was joining
-            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        with self._health_lock:
+            if not self.trainer_steps.draining:  # an operator may have drained it while it was joining
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
                                         "transport": self.transport_name, "generation": m.generation,
                                         "socket": s.grpc_socket})
@@ -103,38 +113,55 @@ class Daemon:
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
                                  self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.wait_whole,
                                  lambda job: self.job_steps.get(job, 0))
-        operator = OperatorService(self.status, self.drain, s.drain_timeout_s, count_error)
+        operator = OperatorService(self.status, self.drain, self.undrain, s.drain_timeout_s, count_error,
+                                   operator_token(self.secret))
         return trainer, operator
 
     def _start_grpc(self) -> None:
+        """Every service on the unix socket; on --grpc-listen (TCP) the Operator service and health only,
+        unless --grpc-listen-trainers 1 adds the Trainer service there (job tokens in clear on the network)."""
         s = self.settings
-        options = [("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
-                   ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.grpc_workers, thread_name_prefix="grpc"),
-                             options=options)
         trainer, operator = self._services()
-        pb_grpc.add_TrainerServicer_to_server(trainer, server)
-        pb_grpc.add_OperatorServicer_to_server(operator, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in SERVICES),
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
         if os.path.exists(s.grpc_socket):
             os.unlink(s.grpc_socket)  # the buffer server already proved no live daemon owns this folder
         old_umask = os.umask(0o117)  # the socket is created 0660: not world-writable
         try:
-            for address in [f"unix:{s.grpc_socket}", *([s.grpc_listen] if s.grpc_listen else [])]:
-                try:
-                    port = server.add_insecure_port(address)
-                except RuntimeError as exc:
-                    raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
-                if port == 0:
-                    raise OSError(f"cannot listen for gRPC on {address}")
-            server.start()
+            self.grpc_server = self._grpc_server(f"unix:{s.grpc_socket}", s.grpc_workers, operator, trainer)
         finally:
             os.umask(old_umask)
-        self.grpc_server = server
+        if s.grpc_listen:
+            if s.grpc_listen_trainers:
+                log.warning("the Trainer service is served on TCP too: job tokens cross the network in clear",
+                            extra={"event": "trainers_on_tcp", "address": s.grpc_listen})
+            self.tcp_grpc_server = self._grpc_server(
+                s.grpc_listen, s.grpc_workers if s.grpc_listen_trainers else TCP_GRPC_WORKERS, operator,
+                trainer if s.grpc_listen_trainers else None)
+
+    def _grpc_server(self, address: str, workers: int, operator: OperatorService,
+                     trainer: TrainerService | None) -> grpc.Server:
+        """A started gRPC server on `address` with the Operator service, health, reflection and, if
+        given, the Trainer service; OSError if the address will not bind."""
+        options = [("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
+                   ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+                             options=options)
+        if trainer is not None:
+            pb_grpc.add_TrainerServicer_to_server(trainer, server)
+        pb_grpc.add_OperatorServicer_to_server(operator, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        served = [n for n in SERVICES if trainer is not None or n != "zen.v1.Trainer"]
+        reflection.enable_server_reflection(
+            (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in served),
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+        if port == 0:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        server.start()
+        return server
 
     def _set_health(self, status: Any) -> None:
         for name in ("", *SERVICES):
@@ -180,7 +207,8 @@ class Daemon:
         log.info("transport chosen", extra={"event": "transport", "transport": backend, "reason": reason})
         _, host, port = parse_uri(s.listen or m.peers[m.rank])
         self.transport = create(f"{backend}://{host}:{port}", m.rank, m.world_size, cluster_id=m.cluster_id,
-                                secret=self.secret, generation=m.generation, timeout_s=s.peer_timeout_s)
+                                secret=self.secret, generation=m.generation, timeout_s=s.peer_timeout_s,
+                                security=s.data_plane_security)
         addresses = {j: parse_uri(u)[1:] for j, u in m.peers.items()}
         self.transport.connect(addresses, timeout_s=s.connect_timeout_s)
 
@@ -258,9 +286,10 @@ class Daemon:
         s, old = self.settings, self.membership
         log.warning("membership changing", extra={"event": "membership_change", "generation": old.generation,
                                                    "reason": why})
-        if not self.trainer_steps.draining:
-            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.trainer_steps.refuse(f"membership changing after generation {old.generation}: {why}")
+        with self._health_lock:
+            if not self.trainer_steps.draining:
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.trainer_steps.refuse(f"membership changing after generation {old.generation}: {why}")
         self._drop_transport()  # steps in flight fail now (ABORTED) instead of waiting on a dead peer
         self.trainer_steps.end_generation(s.step_timeout_s)
         self.job_steps.update(self.registry.job_steps())  # what this node knew, for a node that knows nothing
@@ -282,9 +311,10 @@ class Daemon:
         self.last_change = (why, time.time())
         self.job_steps.update(self.membership.job_steps)
         self._down_since.clear()
-        self._open_steps()
-        if not self.trainer_steps.draining:
-            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        with self._health_lock:
+            self._open_steps()
+            if not self.trainer_steps.draining:
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.warning("membership changed", extra={"event": "membership_changed", "generation":
                                                  self.membership.generation, "nodes": self.membership.world_size})
 
@@ -345,8 +375,11 @@ class Daemon:
                           daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change)
 
     # ------------------------------------------------------------------ sessions
-    def _claim_session(self, session_id: str) -> SessionInfo | None:
-        s = self.registry.claim(session_id)
+    def _claim_session(self, session_id: str, token: str) -> SessionInfo | None:
+        try:
+            s = self.registry.claim(session_id, token)
+        except StepError as exc:  # a wrong token: refused, the session stays its trainer's to claim
+            raise ClaimRefused(exc.message) from None
         return None if s is None else SessionInfo(session_id, s.job)
 
     def end_session(self, session_id: str) -> None:
@@ -366,20 +399,37 @@ class Daemon:
                            reprofile_every=s.reprofile_every)
 
     # ------------------------------------------------------------------ stopping
-    def drain(self, timeout_s: float) -> tuple[int, int]:
-        """Refuse new steps and sessions; wait for the steps in flight. Returns (completed, abandoned)."""
-        self.trainer_steps.draining = True  # before health says so: nothing new slips in between
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    def drain(self, timeout_s: float, final: bool = False) -> tuple[int, int]:
+        """Refuse new steps and sessions; wait for the steps in flight. Returns (completed, abandoned).
+        `final`: the drain before stopping (SIGTERM), which Undrain cannot undo."""
+        with self._health_lock:
+            self._final_drain = self._final_drain or final
+            self.trainer_steps.draining = True  # before health says so: nothing new slips in between
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         completed, abandoned = self.trainer_steps.wait_in_flight(timeout_s)
         log.info("drained", extra={"event": "drain", "completed": completed, "abandoned": abandoned})
         return completed, abandoned
+
+    def undrain(self) -> tuple[bool, str]:
+        """Undo a drain: admit steps and sessions again, and SERVING again unless the node is still joining
+        or its membership is changing (it turns SERVING when that is over). Returns (serving, why not)."""
+        with self._health_lock:
+            if self._final_drain or self._stopped.is_set():
+                raise StepError(FAILED_PRECONDITION, "the daemon is stopping (SIGTERM): it cannot be undrained")
+            self.trainer_steps.draining = False
+            why = self.trainer_steps.not_running()
+            if why is None:
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("undrained", extra={"event": "undrain", "serving": why is None, "reason": why or ""})
+        return why is None, why or ""
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self.grpc_server is not None:
-            self.grpc_server.stop(grace=1.0).wait(2.0)
+        stopping = [server.stop(grace=1.0) for server in (self.tcp_grpc_server, self.grpc_server) if server is not None]
+        for done in stopping:
+            done.wait(2.0)
         self.buffers.close()
         if self.transport is not None:
             self.transport.close()
@@ -391,6 +441,33 @@ class Daemon:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stopped.wait(timeout_s)
+
+
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4  # <linux/prctl.h>
+
+
+def make_undumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0) on this process; OSError if it cannot be done.
+
+    Every job's in-flight gradients sit in this process's memfds (mode 0600), and 0600 stops no
+    process of the daemon's own uid: opening /proc/<pid>/fd/N or /proc/<pid>/mem is decided by the
+    ptrace access check, which a same-uid process passes while the target is dumpable. Non-dumpable,
+    /proc/<pid>/ belongs to root, so another job's trainer running as the same (non-root) uid gets
+    EACCES there and reaches buffers only through buffers.sock, with its own session's token. It
+    also keeps the cluster secret and gradients out of core dumps. The cost: no core dumps of the
+    daemon, and gdb or py-spy on it need root (CAP_SYS_PTRACE). The daemon itself still reads its
+    own /proc/self (the process metrics do).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    zero = ctypes.c_ulong(0)
+    if libc.prctl(PR_SET_DUMPABLE, zero, zero, zero, zero) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot make the daemon non-dumpable (prctl PR_SET_DUMPABLE 0): {os.strerror(err)}")
+    state = libc.prctl(PR_GET_DUMPABLE, zero, zero, zero, zero)
+    if state != 0:
+        raise OSError(f"the daemon is still dumpable after prctl(PR_SET_DUMPABLE, 0): PR_GET_DUMPABLE says {state}")
 
 
 class _Alone(Communicator):

@@ -3,6 +3,8 @@
 A job's token is HMAC(cluster secret, job id): every daemon of the cluster can check it
 without shared state, and the operator hands it to the job's trainers (`zend token`). A
 trainer can only open sessions in the job its token names, and only reach that job's tensors.
+The operator token (`zend token --operator`: Status in full, Drain, Undrain) is an HMAC of the
+same secret under another label, so it is never any job's token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ MAX_JOB_ID = 128
 
 def job_token(secret: bytes, job: str) -> str:
     return hmac.new(secret, b"zen-job-token\0" + job.encode(), hashlib.sha256).hexdigest()
+
+
+def operator_token(secret: bytes) -> str:
+    """What the Operator service asks for; its own label, so no job id gives it (job tokens hash
+    "zen-job-token\\0" + job)."""
+    return hmac.new(secret, b"zen-operator-token\0", hashlib.sha256).hexdigest()
 
 
 def tensor_id(job: str, name: str) -> int:
@@ -168,11 +176,20 @@ class JobRegistry:
         with self._lock:
             return self.sessions.pop(session_id, None)
 
-    def claim(self, session_id: str) -> Session | None:
-        """Mark a session's buffer connection up; None if it is unknown or already claimed."""
+    def claim(self, session_id: str, token: str) -> Session | None:
+        """Mark a session's buffer connection up; None if it is unknown or already claimed.
+
+        `token` must be the session's job token: the id alone (which another job's process may have
+        learnt) claims nothing. A wrong one raises UNAUTHENTICATED and leaves the session unclaimed,
+        so that its own trainer can still claim it.
+        """
         with self._lock:
             s = self.sessions.get(session_id)
-            if s is None or s.claimed:
+            if s is None:
+                return None
+            if not hmac.compare_digest(job_token(self._secret, s.job).encode(), token.encode()):
+                raise StepError(UNAUTHENTICATED, "the token given is not the token of the session's job")
+            if s.claimed:
                 return None
             s.claimed = True
             return s

@@ -36,9 +36,11 @@ class Settings:
     cluster_id: str = "zen"
     generation: int = 0
     secret_file: str = ""                # else $ZEN_CLUSTER_SECRET_FILE, else $ZEN_CLUSTER_SECRET
+    data_plane_security: str = "aead"    # aead: frames between daemons sealed (AES-GCM); none: in clear
     # the trainers' side
     socket_dir: str = paths.DEFAULT_SOCKET_DIR  # zend.sock (gRPC) and buffers.sock live here
     grpc_listen: str = ""                # optional TCP address for operators and probes, e.g. 0.0.0.0:7070
+    grpc_listen_trainers: int = 0        # 1: the Trainer service on grpc_listen too (job tokens in clear)
     grpc_workers: int = 64               # handler threads: one per trainer call in flight
     threads: int = 0                     # torch threads for the daemon's tensor work (0: a quarter of the cores)
     max_session_bytes: int = 16 << 30    # shared buffers one trainer may hold
@@ -57,7 +59,7 @@ class Settings:
     claim_timeout_s: float = 60.0        # an opened session must connect its buffer socket within this
     # observability
     metrics_port: int = 7071             # 0 turns it off; beside 7000/7001/7070 (9400 is the DCGM exporter's)
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"      # this host only; 0.0.0.0 (or the pod's IP) for a Prometheus elsewhere
     log_format: str = "json"             # json or text
     log_level: str = "INFO"
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -182,6 +184,8 @@ def validate(s: Settings) -> None:
             raise bad("peers" if uri in s.peers else "listen", str(exc)) from None
     if s.transport not in ("tcp", "ucx", "auto"):
         raise bad("transport", "must be tcp, ucx or auto")
+    if s.data_plane_security not in ("aead", "none"):
+        raise bad("data_plane_security", "must be aead or none")
     if s.scheme not in SCHEMES:
         raise bad("scheme", f"must be one of {', '.join(SCHEMES)}")
     for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s", "claim_timeout_s"):
@@ -203,3 +207,7 @@ def validate(s: Settings) -> None:
         raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
     if s.grpc_listen and ":" not in s.grpc_listen:
         raise bad("grpc_listen", "must be HOST:PORT")
+    if s.grpc_listen_trainers not in (0, 1):
+        raise bad("grpc_listen_trainers", "must be 0 or 1")
+    if s.grpc_listen_trainers and not s.grpc_listen:
+        raise bad("grpc_listen_trainers", "needs grpc_listen (HOST:PORT) to serve the Trainer service on")

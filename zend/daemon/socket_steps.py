@@ -2,9 +2,10 @@
 
 A no-op gRPC call costs 0.5-0.9 ms of CPU on each side (Python's server is a thread pool behind a
 poller); a step's doorbell on the session's own unix socket costs a tenth of that. The session
-was authenticated when it was claimed on that socket (hello, same process for every extra
-connection), so a step needs no token. Everything else is the same as Submit: the same
-`TrainerSteps.submit`, the same errors (as status code names in the reply), the same figures.
+was authenticated when it was claimed on that socket (hello with its job token; the same process
+and token for every extra connection), so a step needs no token. Everything else is the same as
+Submit: the same `TrainerSteps.submit`, the same errors (as status code names in the reply), the
+same figures.
 """
 
 from __future__ import annotations

@@ -92,6 +92,15 @@ class TrainerSteps:
         if self._node is None:
             raise StepError(codes.UNAVAILABLE, f"the daemon is still joining its cluster: no {what} yet")
 
+    def not_running(self) -> str | None:
+        """Why steps are refused apart from a drain (still joining, membership changing), or None."""
+        changing = self.changing
+        if changing is not None:
+            return f"the membership is changing ({changing})"
+        if self._node is None:
+            return "the daemon is still joining its cluster"
+        return None
+
     def in_flight(self) -> int:
         return self.table.in_flight()
 

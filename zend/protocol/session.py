@@ -1,9 +1,9 @@
 """A trainer's session with its node's daemon: the protocol, from the trainer's side.
 
-Open a session over gRPC, claim it on the buffer socket, register tensors, and for each step
-write the gradient into a shared buffer and Submit a reference to it. The full client API with
-PyTorch integration (`client/zen`) is built on this; tests, benchmarks and `zend cluster` use
-it directly.
+Open a session over gRPC, claim it on the buffer socket (its id and the job token), register
+tensors, and for each step write the gradient into a shared buffer and Submit a reference to it.
+The full client API with PyTorch integration (`client/zen`) is built on this; tests, benchmarks
+and `zend cluster` use it directly.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class TrainerSession:
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.TrainerStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
+        self._token = token  # claims the session on the buffer socket, with its id
         try:
             reply = self.stub.OpenSession(pb.OpenSessionRequest(job_id=job, local_rank=local_rank,
                                                                 local_world_size=local_world_size, pid=os.getpid()),
@@ -100,7 +101,7 @@ class TrainerSession:
         self.node_rank, self.node_count, self.generation = reply.node_rank, reply.node_count, reply.generation
         self.job_step = reply.job_step  # the step the job is at (a restarted trainer resumes there)
         self.buffer_socket = reply.buffer_socket
-        self.buffers = BufferClient(reply.buffer_socket, self.session_id, timeout_s=timeout_s)
+        self.buffers = BufferClient(reply.buffer_socket, self.session_id, token, timeout_s=timeout_s)
 
     def register(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, dense: bool = False,
                  average: bool = False, device: str = "cpu") -> TensorHandle:
@@ -180,7 +181,8 @@ class TrainerSession:
         link = getattr(self._step_links, "link", None)
         if link is None or link.closed:
             try:
-                link = BufferClient(self.buffer_socket, self.session_id, timeout_s=self.timeout_s, attach=True)
+                link = BufferClient(self.buffer_socket, self.session_id, self._token, timeout_s=self.timeout_s,
+                                    attach=True)
             except SharedBufferError as exc:  # an older daemon, or steps not served: gRPC from now on
                 self.steps_on_socket = False
                 log.info("steps by gRPC Submit: the daemon refused a step connection: %s", exc)

@@ -275,7 +275,8 @@ class Trainer:
 
 
 class OperatorStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call needs the operator token, except Status, which answers without it in redacted form.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -293,10 +294,16 @@ class OperatorStub:
                 request_serializer=zen_dot_v1_dot_zen__pb2.DrainRequest.SerializeToString,
                 response_deserializer=zen_dot_v1_dot_zen__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/zen.v1.Operator/Undrain',
+                request_serializer=zen_dot_v1_dot_zen__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=zen_dot_v1_dot_zen__pb2.UndrainReply.FromString,
+                _registered_method=True)
 
 
 class OperatorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call needs the operator token, except Status, which answers without it in redacted form.
+    """
 
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -305,7 +312,14 @@ class OperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Refuse new steps, finish the ones in flight.
+        """Refuse new steps, finish the ones in flight; health turns NOT_SERVING.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Undo a Drain: admit steps and sessions again, health SERVING again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -324,6 +338,11 @@ def add_OperatorServicer_to_server(servicer, server):
                     request_deserializer=zen_dot_v1_dot_zen__pb2.DrainRequest.FromString,
                     response_serializer=zen_dot_v1_dot_zen__pb2.DrainReply.SerializeToString,
             ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=zen_dot_v1_dot_zen__pb2.UndrainRequest.FromString,
+                    response_serializer=zen_dot_v1_dot_zen__pb2.UndrainReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'zen.v1.Operator', rpc_method_handlers)
@@ -333,7 +352,8 @@ def add_OperatorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Operator:
-    """Missing associated documentation comment in .proto file."""
+    """Every call needs the operator token, except Status, which answers without it in redacted form.
+    """
 
     @staticmethod
     def Status(request,
@@ -379,6 +399,33 @@ class Operator:
             '/zen.v1.Operator/Drain',
             zen_dot_v1_dot_zen__pb2.DrainRequest.SerializeToString,
             zen_dot_v1_dot_zen__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zen.v1.Operator/Undrain',
+            zen_dot_v1_dot_zen__pb2.UndrainRequest.SerializeToString,
+            zen_dot_v1_dot_zen__pb2.UndrainReply.FromString,
             options,
             channel_credentials,
             insecure,
