@@ -14,6 +14,7 @@ a blocked send (backpressure) does not stop a later receive. Commands ("op"):
   echo      {peer, count}                      receive ping/i from peer, send it back as pong/i
   buffered  {src}                              bytes from src received and not yet claimed
   pool      {}                                 the receive-buffer pool's counters
+  accepting {}                                 why the listener cannot accept now (null: it can)
   redial    {peer, host, port, timeout_s}      a restarted peer's new address; wait until linked
   schemes   {names}                            every scheme on seeded inputs, checked here
   transports {}                                what the transport really uses (UCX)
@@ -111,6 +112,9 @@ class Worker:
 
     def pool(self) -> dict:
         return {"stats": vars(self.t.receive_pool.stats)}
+
+    def accepting(self) -> dict:
+        return {"accept_error": self.t.accept_error}
 
     def redial(self, peer: int, host: str, port: int, timeout_s: float) -> dict:
         self.t.peers[peer].address = (host, port)

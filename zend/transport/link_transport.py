@@ -53,6 +53,8 @@ MAX_ABORTED_PREFIXES = 16384  # voided steps remembered (a late message of one i
 # call, so a big one at a slow rate is not silence); tcp:// counts every chunk instead.
 LIVENESS_MIN_RATE = 1 << 20  # bytes/s
 REPLAYED_ABORTS = 256  # the most recent aborts, told again to a peer that (re)connects
+MAX_HANDSHAKES = 64  # connections being authenticated at once; a flood beyond it is closed at accept
+MAX_HANDSHAKES_PER_SOURCE = 16  # ... and from one address: one host cannot take every slot
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
@@ -60,6 +62,31 @@ def _abort_body(code: str, reason: str) -> torch.Tensor:
     """An abort frame's payload: the status name and the reason, as JSON (its tag is the prefix)."""
     text = json.dumps({"code": code[:64], "reason": reason[:MAX_ABORT_BYTES - 128]}).encode()
     return torch.frombuffer(bytearray(text[:MAX_ABORT_BYTES]), dtype=torch.uint8)
+
+
+class HandshakeGate:
+    """Bounds on connections not yet authenticated, per source address and in all."""
+
+    def __init__(self, total: int = MAX_HANDSHAKES, per_source: int = MAX_HANDSHAKES_PER_SOURCE):
+        self.total, self.per_source = total, per_source
+        self._pending: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def enter(self, source: str) -> str | None:
+        """None if a handshake from `source` may start now, else why not."""
+        with self._lock:
+            if sum(self._pending.values()) >= self.total:
+                return f"{self.total} handshakes already pending"
+            if self._pending.get(source, 0) >= self.per_source:
+                return f"{self.per_source} handshakes from {source} already pending"
+            self._pending[source] = self._pending.get(source, 0) + 1
+            return None
+
+    def leave(self, source: str) -> None:
+        with self._lock:
+            left = self._pending.pop(source, 1) - 1
+            if left > 0:
+                self._pending[source] = left
 
 
 @dataclass
@@ -121,6 +148,11 @@ class LinkTransport(Communicator):
         self._closing = threading.Event()  # what the liveness threads sleep on
         self._threads: list[threading.Thread] = []
         self._open_links: list[Any] = []  # every link a receiver may still be reading
+        self.accept_error: str | None = None  # why peers cannot connect to us now (None: they can)
+        # the owner's judgement of a data frame from a peer, by its (source, tag, size), before its
+        # payload is kept: None takes it, ("discard", why) reads and drops it, ("refuse", why) drops the link
+        self.admission: Callable[[int, str, int], tuple[str, str] | None] | None = None
+        self.discarded_messages = 0  # data frames the admission discarded
 
     # ------------------------------------------------------------------ backend hooks
     @abstractmethod
@@ -274,6 +306,17 @@ class LinkTransport(Communicator):
             deadline.cancel()
         self._attach(rank, link, cipher)
 
+    def _accept_failed(self, exc: BaseException) -> None:
+        """The listener could not take a connection: say so (health reads accept_error), once per spell."""
+        if self.accept_error is None:
+            log.error("rank %d: cannot accept data-plane connections: %s: %s", self.rank, type(exc).__name__, exc)
+        self.accept_error = f"cannot accept data-plane connections: {type(exc).__name__}: {exc}"
+
+    def _accept_recovered(self) -> None:
+        if self.accept_error is not None:
+            log.warning("rank %d: accepting data-plane connections again", self.rank)
+            self.accept_error = None
+
     def _interrupt_link(self, link: Any) -> None:
         """Make a handshake's blocked receive on `link` fail now (its deadline passed). A backend
         whose receives have their own bound may leave this as it is."""
@@ -392,9 +435,31 @@ class LinkTransport(Communicator):
         peer = self.peers[j]
         peer.last_heard, peer.arriving = time.monotonic(), arriving
 
-    def _received(self, j: int, kind: int, tag: str, payload: torch.Tensor) -> None:
-        """A whole frame from rank j, by kind."""
+    def _admit(self, j: int, kind: int, tag: str, size: int) -> bool:
+        """Whether to keep a frame from rank j, judged by its tag and size (backends ask before they
+        reserve room for its payload, where the tag comes first): control frames and the void are
+        always kept (the void to be dropped as such); data frames as `admission` says. A refusal
+        raises FrameError, which drops the link."""
+        if kind != DATA or self.admission is None or self._voided(tag) is not None:
+            return True
+        verdict = self.admission(j, tag, size)
+        if verdict is None:
+            return True
+        action, why = verdict
+        if action == "refuse":
+            raise FrameError(f"sent a message this node refuses: {why}")
+        with self._cond:
+            self.discarded_messages += 1
+            count = self.discarded_messages
+        if count == 1 or count % 1000 == 0:  # a peer that floods junk must not flood the log too
+            log.warning("rank %d: discarded a message from rank %d (%d so far): %s", self.rank, j, count, why)
+        return False
+
+    def _received(self, j: int, kind: int, tag: str, payload: torch.Tensor, keep: bool = True) -> None:
+        """A whole frame from rank j, by kind (`keep` False: admitted for reading only, then dropped)."""
         self._heard(j)
+        if not keep:
+            return
         if kind == DATA:
             self._deliver(j, tag, payload)
         elif kind == GOODBYE:

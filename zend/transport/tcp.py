@@ -17,6 +17,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +25,11 @@ import torch
 
 from zend.transport.frames import DATA, FRAME, unpack_frame
 from zend.transport.handshake import MAX_HANDSHAKE_BYTES
-from zend.transport.link_transport import LinkTransport
+from zend.transport.link_transport import HandshakeGate, LinkTransport
 from zend.transport.sealing import CHUNK, GCM_TAG, LinkCipher
 
 SOCKET_BUFFER_BYTES = 8 << 20
 _LENGTH = struct.Struct("<I")
-MAX_HANDSHAKES = 64  # connections being authenticated at once; a flood beyond it is closed at accept
 log = logging.getLogger("zend.transport")
 
 
@@ -95,37 +95,46 @@ class TcpTransport(LinkTransport):
         return self
 
     def _accept_loop(self) -> None:
-        """Accept, and hand each connection's handshake to a thread of its own (at most
-        MAX_HANDSHAKES at once; more are closed at once), so that no client, silent or slow or
-        many, keeps a restarted peer from getting in."""
+        """Accept, and hand each connection's handshake to a thread of its own, within the gate's
+        bounds (per source address and in all; beyond them a connection is closed at once), so that
+        no client, silent or slow or many, keeps a restarted peer from getting in. The loop outlives
+        any failure: while accept itself fails (out of descriptors), `accept_error` says why."""
         assert self._listener is not None
-        pending = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        gate = HandshakeGate()
         while not self._closed:
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            origin = f"{addr[0]}:{addr[1]}"
-            if not pending.acquire(blocking=False):
-                log.warning("rank %d: refused connection from %s: %d handshakes already pending", self.rank,
-                            origin, MAX_HANDSHAKES)
+            except OSError as exc:
+                if self._closed:
+                    return
+                self._accept_failed(exc)
+                time.sleep(0.2)  # EMFILE and the like: the backlog waits, the loop lives
+                continue
+            except Exception as exc:  # never dies, whatever happens
+                self._accept_failed(exc)
+                continue
+            self._accept_recovered()
+            source, origin = addr[0], f"{addr[0]}:{addr[1]}"
+            refusal = gate.enter(source)
+            if refusal is not None:
+                log.warning("rank %d: refused connection from %s: %s", self.rank, origin, refusal)
                 self._close_link(sock)
                 continue
             try:
                 sock.settimeout(self.timeout_s)  # and the whole handshake is bound too (_accept)
-                threading.Thread(target=self._handshake_then_release, args=(sock, origin, pending),
+                threading.Thread(target=self._handshake_then_leave, args=(sock, origin, gate, source),
                                  name="handshake", daemon=True).start()
             except Exception:  # no thread to be had: this connection only
-                pending.release()
+                gate.leave(source)
                 self._close_link(sock)
 
-    def _handshake_then_release(self, sock: socket.socket, origin: str, pending: threading.BoundedSemaphore) -> None:
+    def _handshake_then_leave(self, sock: socket.socket, origin: str, gate: HandshakeGate, source: str) -> None:
         try:
             self._accept(sock, origin)
         finally:
-            pending.release()
+            gate.leave(source)
 
     def _interrupt_link(self, link: Any) -> None:
         with contextlib.suppress(OSError):
@@ -186,7 +195,8 @@ class TcpTransport(LinkTransport):
                 self._reserve(j, size)
             payload = self._payload_buffer(size)
             _recv_exactly_into(sock, [memoryview(tag), memoryview(payload.numpy())], progress)  # type: ignore[arg-type]
-            self._received(j, kind, tag.decode(), payload)
+            text = tag.decode()  # tag and payload came in one call: judged once both are here
+            self._received(j, kind, text, payload, self._admit(j, kind, text, size))
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _receive_sealed(self, j: int, sock: socket.socket, cipher: LinkCipher, progress: Callable[[], None]) -> None:
@@ -200,12 +210,13 @@ class TcpTransport(LinkTransport):
             kind, tag_len, size = unpack_frame(bytes(header))
             sealed_tag = bytearray(tag_len + GCM_TAG)
             _recv_exactly(sock, memoryview(sealed_tag))
-            tag = cipher.open_head(bytes(header), bytes(sealed_tag))
-            if kind == DATA:
+            tag = cipher.open_head(bytes(header), bytes(sealed_tag)).decode()
+            keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
+            if kind == DATA and keep:
                 self._reserve(j, size)
             payload = self._payload_buffer(size)
             _recv_sealed_into(sock, cipher, record, memoryview(payload.numpy()), progress)  # type: ignore[arg-type]
-            self._received(j, kind, tag.decode(), payload)
+            self._received(j, kind, tag, payload, keep)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Coroutine
@@ -39,8 +40,10 @@ import numpy as np
 import torch
 
 from zend.transport.frames import DATA, FRAME, MAX_TAG_BYTES, FrameError, unpack_frame
-from zend.transport.link_transport import LinkTransport
+from zend.transport.link_transport import HandshakeGate, LinkTransport
 from zend.transport.sealing import GCM_TAG, LinkCipher, sealed_size
+
+log = logging.getLogger("zend.transport")
 
 UCX_DEFAULTS = {
     "UCXPY_PROGRESS_MODE": "thread",
@@ -132,9 +135,17 @@ class UcxTransport(LinkTransport):
 
         loop = _ucx_loop()
 
+        gate = HandshakeGate()  # UCX does not tell the client's address: one bound for all
+
         async def on_connect(endpoint: Any) -> None:
-            # the handshake blocks on the loop; run it on a thread of its own
-            self._spawn(self._accept, "accept", endpoint, "a UCX client")
+            # the handshake blocks on the loop; run it on a thread of its own, within the gate
+            refusal = gate.enter("ucx")
+            if refusal is not None:
+                log.warning("rank %d: refused a UCX connection: %s", self.rank, refusal)
+                endpoint.abort()
+                return
+            threading.Thread(target=self._accept_then_leave, args=(endpoint, gate), name="handshake",
+                             daemon=True).start()
 
         async def listen() -> Any:
             return ucxx.create_listener(on_connect, self.port or None)
@@ -142,6 +153,12 @@ class UcxTransport(LinkTransport):
         self._listener = asyncio.run_coroutine_threadsafe(listen(), loop).result(self.timeout_s)
         self.port = self._listener.port
         return self
+
+    def _accept_then_leave(self, endpoint: Any, gate: HandshakeGate) -> None:
+        try:
+            self._accept(endpoint, "a UCX client")
+        finally:
+            gate.leave("ucx")
 
     def _stop_backend(self) -> None:
         listener = self._listener
@@ -217,7 +234,8 @@ class UcxTransport(LinkTransport):
                     raise FrameError("sent a GPU payload on a sealed link (sealed payloads go through the host)")
                 tag = cipher.open_head(clear, header[FRAME.size : FRAME.size + tag_len + GCM_TAG].tobytes()).decode()
             self._heard(j, arriving=size)  # the payload comes in one call: its size buys it time
-            if kind == DATA and self._must_wait(j, size):  # backpressure: off the loop; never for control
+            keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
+            if kind == DATA and keep and self._must_wait(j, size):  # backpressure: off the loop; never for control
                 await loop.run_in_executor(None, self._reserve, j, size)
             if on_device and torch.cuda.is_available():
                 payload = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -234,7 +252,7 @@ class UcxTransport(LinkTransport):
                 payload = self._payload_buffer(size)
                 if size:
                     await link.recv(payload.numpy())
-            self._received(j, kind, tag, payload)
+            self._received(j, kind, tag, payload, keep)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:

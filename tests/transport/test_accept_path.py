@@ -1,0 +1,73 @@
+"""The data plane's accept path under abuse (issue 14, item 1): one source cannot take every
+handshake slot, and the listener outlives a spell without file descriptors, saying so meanwhile."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import time
+
+import pytest
+
+
+def _from(source: str, address: tuple[str, int]) -> socket.socket:
+    s = socket.socket()
+    s.bind((source, 0))
+    s.settimeout(5)
+    s.connect(address)
+    return s
+
+
+def test_one_source_cannot_take_every_handshake_slot(processes, scheme):
+    if scheme != "tcp":
+        pytest.skip("raw tcp clients from a chosen source address")
+    good = processes.start(0, 2, timeout_s=10)  # a silent client is held for 10 s
+    idle = []
+    try:
+        for _ in range(100):  # beyond every bound, all from one address
+            with contextlib.suppress(OSError):
+                idle.append(_from("127.0.0.2", good.address))
+        time.sleep(0.5)
+        linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=30)
+        started = time.monotonic()
+        right = processes.start(1, 2, timeout_s=10)
+        right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=20)
+        good.wait(linking)
+        # without the per-source bound the 100 would hold all 64 slots for the 10 s handshake deadline
+        assert time.monotonic() - started < 6, "the peer waited for the flood's handshakes to time out"
+        right.call("send", dst=0, tag="in", seeds=[8], size=64)
+        assert good.call("recv", src=1, tag="in", seeds=[8], size=64)["intact"] == [True]
+    finally:
+        for s in idle:
+            s.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering another process's descriptor limit needs root")
+def test_the_listener_outlives_running_out_of_descriptors_and_says_so(processes, scheme):
+    if scheme != "tcp":
+        pytest.skip("ucx:// accepts inside UCX, which keeps its own descriptors")
+    good = processes.start(0, 2, timeout_s=10)
+    pid = good.proc.pid
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")) + 1, limits[1]))
+        for _ in range(4):  # the first takes the last descriptor; accepting the next fails
+            held.append(socket.create_connection(good.address, timeout=5))
+        deadline = time.monotonic() + 10
+        while (error := good.call("accepting")["accept_error"]) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert error is not None and "Too many open files" in error, error
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+        for s in held:
+            s.close()
+    linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=30)
+    right = processes.start(1, 2, timeout_s=10)
+    right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=20)
+    good.wait(linking)
+    right.call("send", dst=0, tag="in", seeds=[9], size=64)
+    assert good.call("recv", src=1, tag="in", seeds=[9], size=64)["intact"] == [True]
+    assert good.call("accepting")["accept_error"] is None
