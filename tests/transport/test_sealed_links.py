@@ -198,3 +198,24 @@ def test_links_in_clear_when_the_operator_says_so(processes, size):
     a, b = processes.mesh(2, security="none")
     b.call("send", dst=0, tag="clear", seeds=[size], size=size)
     assert a.call("recv", src=1, tag="clear", seeds=[size], size=size)["intact"] == [True]
+
+
+def test_handshake_messages_must_have_exactly_their_fields():
+    from zend.transport import handshake as hs
+
+    identity = {"protocol": PROTOCOL_VERSION, "cluster": "c", "world_size": 2, "generation": 0, "rank": 1,
+                "security": "aead"}
+    hello = {"type": "hello", "identity": identity, "nonce": "0" * 32}
+    assert hs.identity_of(hs.expect(hello, "hello")).rank == 1
+    with pytest.raises(hs.HandshakeError, match=r"unexpected fields \['padding'\]"):
+        hs.expect({**hello, "padding": "x" * 100}, "hello")
+    with pytest.raises(hs.HandshakeError, match=r"missing \['nonce'\]"):
+        hs.expect({"type": "hello", "identity": identity}, "hello")
+    with pytest.raises(hs.HandshakeError, match="expected a proof message, got type 'hello'"):
+        hs.expect(hello, "proof")
+    with pytest.raises(hs.HandshakeError, match="refused: wrong"):
+        hs.expect({"type": "error", "error": "wrong"}, "challenge")
+    with pytest.raises(hs.HandshakeError, match="identity fields"):
+        hs.identity_of({**hello, "identity": {**identity, "admin": True}})
+    with pytest.raises(hs.HandshakeError, match="security='tls'"):
+        hs.identity_of({**hello, "identity": {**identity, "security": "tls"}})

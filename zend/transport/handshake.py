@@ -115,11 +115,33 @@ def _whole(fields: dict[str, object], name: str) -> int:
     return value
 
 
+IDENTITY_FIELDS = frozenset(Identity.__dataclass_fields__)
+MESSAGE_FIELDS = {"hello": {"type", "identity", "nonce"}, "challenge": {"type", "identity", "nonce"},
+                  "proof": {"type", "mac"}, "ok": {"type", "mac"}, "error": {"type", "error"}}
+
+
+def expect(message: Message, kind: str) -> Message:
+    """`message` if it is a `kind` message with exactly that kind's fields; else HandshakeError naming
+    what differs (an error message from the other side is raised as its refusal)."""
+    got = message.get("type")
+    if got == "error" and kind != "error" and set(message) == MESSAGE_FIELDS["error"]:
+        raise HandshakeError(f"refused: {str(message.get('error'))[:300]}")
+    if got != kind:
+        raise HandshakeError(f"expected a {kind} message, got type {str(got)[:40]!r}")
+    extra, missing = set(message) - MESSAGE_FIELDS[kind], MESSAGE_FIELDS[kind] - set(message)
+    if extra or missing:
+        raise HandshakeError(f"{kind} message with unexpected fields {sorted(extra)[:5]} or missing "
+                             f"{sorted(missing)}")
+    return message
+
+
 def identity_of(message: Message) -> Identity:
     try:
         fields = message["identity"]
         if not isinstance(fields, dict) or not isinstance(fields.get("cluster"), str):
             raise TypeError("identity is not an object with a cluster id")
+        if set(fields) != IDENTITY_FIELDS:
+            raise ValueError(f"identity fields {sorted(map(str, fields))[:8]} are not {sorted(IDENTITY_FIELDS)}")
         security = fields.get("security")
         if security not in SECURITY_MODES:
             raise ValueError(f"security={security!r:.40} is not one of {list(SECURITY_MODES)}")
@@ -146,9 +168,10 @@ def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byt
     cipher (None with security "none"); HandshakeError if either side refuses."""
     nonce = new_nonce()
     send({"type": "hello", "identity": asdict(me), "nonce": nonce})
-    reply = recv()
-    if reply.get("type") == "error":
-        raise HandshakeError(f"refused by rank {expected_rank}: {str(reply.get('error'))[:300]}")
+    try:
+        reply = expect(recv(), "challenge")
+    except HandshakeError as exc:
+        raise HandshakeError(f"rank {expected_rank}: {exc}") from None
     theirs = identity_of(reply)
     problem = mismatch(me, theirs)
     if problem is None and theirs.rank != expected_rank:
@@ -158,9 +181,10 @@ def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byt
         raise HandshakeError(f"refused rank {expected_rank}: {problem}")
     said = transcript(me, theirs, nonce, nonce_of(reply))
     send({"type": "proof", "mac": proof(secret, "dialer", said)})
-    final = recv()
-    if final.get("type") != "ok":
-        raise HandshakeError(f"refused by rank {expected_rank}: {str(final.get('error'))[:300]}")
+    try:
+        final = expect(recv(), "ok")
+    except HandshakeError as exc:
+        raise HandshakeError(f"rank {expected_rank}: {exc}") from None
     if not verify(secret, "acceptor", said, final.get("mac")):
         raise HandshakeError(f"refused rank {expected_rank}: authentication failed: the peer does not know "
                              "the cluster secret")
@@ -170,7 +194,7 @@ def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byt
 def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: bytes) -> tuple[int, LinkCipher | None]:
     """The accepting rank's half: check the hello, challenge with a nonce alone, check the proof,
     only then prove itself; returns the peer's rank and the link's frame cipher."""
-    hello = recv()
+    hello = expect(recv(), "hello")
     theirs = identity_of(hello)
     their_nonce = nonce_of(hello)
     problem = mismatch(me, theirs)
@@ -181,9 +205,10 @@ def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byte
         raise HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem}")
     nonce = new_nonce()
     send({"type": "challenge", "identity": asdict(me), "nonce": nonce})
-    answer = recv()
-    if answer.get("type") == "error":
-        raise HandshakeError(f"rank {theirs.rank} refused us: {str(answer.get('error'))[:300]}")
+    try:
+        answer = expect(recv(), "proof")
+    except HandshakeError as exc:
+        raise HandshakeError(f"rank {theirs.rank}: {exc}") from None
     said = transcript(theirs, me, their_nonce, nonce)
     if not verify(secret, "dialer", said, answer.get("mac")):
         problem = "authentication failed: wrong cluster secret"
