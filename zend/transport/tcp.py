@@ -66,11 +66,13 @@ def _recv_exactly_into(sock: socket.socket, views: list[memoryview], progress: C
 
 def _recv_sealed_into(sock: socket.socket, cipher: LinkCipher, record: bytearray, out: memoryview,
                       progress: Callable[[], None]) -> None:
-    """Receive a sealed payload record by record, each opened into its place in `out` as it lands."""
+    """A sealed payload record by record, each opened into its place in `out` as it lands; the first
+    record is already in `record` (it came with the tag)."""
     for start in range(0, len(out), CHUNK):
         piece = out[start : start + CHUNK]
         sealed = memoryview(record)[: len(piece) + GCM_TAG]
-        _recv_exactly_into(sock, [sealed], progress)
+        if start:
+            _recv_exactly_into(sock, [sealed], progress)
         cipher.open_record(sealed, piece)
 
 
@@ -200,8 +202,9 @@ class TcpTransport(LinkTransport):
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _receive_sealed(self, j: int, sock: socket.socket, cipher: LinkCipher, progress: Callable[[], None]) -> None:
-        """Frames of a sealed link: the header and sealed tag are checked before the payload is
-        reserved or read; each payload record is opened as it lands, while the next one arrives."""
+        """Frames of a sealed link: the header and sealed tag are checked before any room is reserved
+        for the payload; the tag and the payload's first record come in one call (a small frame
+        costs two reads, as in clear), each record is opened into its place as it lands."""
         header = bytearray(FRAME.size)
         record = bytearray(CHUNK + GCM_TAG)
         while True:
@@ -209,7 +212,8 @@ class TcpTransport(LinkTransport):
             self._heard(j)
             kind, tag_len, size = unpack_frame(bytes(header))
             sealed_tag = bytearray(tag_len + GCM_TAG)
-            _recv_exactly(sock, memoryview(sealed_tag))
+            first = memoryview(record)[: min(size, CHUNK) + GCM_TAG] if size else memoryview(record)[:0]
+            _recv_exactly_into(sock, [memoryview(sealed_tag), first], progress)
             tag = cipher.open_head(bytes(header), bytes(sealed_tag)).decode()
             keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
             if kind == DATA and keep:
