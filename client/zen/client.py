@@ -41,6 +41,19 @@ from zend.protocol.session import SharedBufferError, TensorHandle, TrainerSessio
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
 
+def checked_rows(rows: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
+    """`rows`, once each is in [0, num_rows); InvalidGradient naming the tensor and the row otherwise.
+
+    What a sparse tensor is built from, in place of torch's own check (check_invariants, which costs
+    more): a row past the end would have the next op on that tensor write outside its memory."""
+    if rows.numel():
+        low, high = (int(x) for x in torch.aminmax(rows))
+        if low < 0 or high >= num_rows:
+            raise InvalidGradient(f"tensor {name!r}: the result holds row {low if low < 0 else high}, outside "
+                                  f"[0, {num_rows}): refused before building the tensor")
+    return rows
+
+
 @dataclass(frozen=True)
 class StepStats:
     """What the daemon reported for a tensor's last step, as seen from this trainer's node."""
@@ -241,8 +254,9 @@ class Client:
             cuts = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()  # rows come sorted
             for j, (i, t) in enumerate(zip(members, parts, strict=True)):
                 lo, hi = cuts[j], cuts[j + 1]
-                out[i] = torch.sparse_coo_tensor((rows[lo:hi] - offsets[j]).unsqueeze(0), vals[lo:hi], t.shape,
-                                                 is_coalesced=True, check_invariants=False)
+                mine = checked_rows(rows[lo:hi] - offsets[j], t.shape[0], names[i])
+                out[i] = torch.sparse_coo_tensor(mine.unsqueeze(0), vals[lo:hi], t.shape, is_coalesced=True,
+                                                 check_invariants=False)  # rows: checked just above
         return [t for t in out if t is not None]
 
     def last_stats(self, name: str) -> StepStats | None:
@@ -315,10 +329,13 @@ class Client:
         if kind == "pair":
             return out.indices.to(device), out.values.to(device)
         if kind == "sparse":
-            return torch.sparse_coo_tensor(out.indices.unsqueeze(0).to(device), out.values.to(device), shape,
-                                           is_coalesced=True, check_invariants=False)  # the daemon coalesced it
-        dense = out.to_dense() if kind == "topk" else out.values
-        return dense.reshape(original.shape).to(device)
+            rows = checked_rows(out.indices, shape[0], out.name)
+            return torch.sparse_coo_tensor(rows.unsqueeze(0).to(device), out.values.to(device), shape,
+                                           is_coalesced=True, check_invariants=False)  # coalesced by the daemon
+        if kind == "topk":  # to_dense writes at every row: checked first
+            checked_rows(out.indices, out.num_rows, out.name)
+            return out.to_dense().reshape(original.shape).to(device)
+        return out.values.reshape(original.shape).to(device)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

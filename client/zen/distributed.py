@@ -63,7 +63,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.profiler import record_function
 
-from zen.client import Client, StepStats
+from zen.client import Client, StepStats, checked_rows
 from zen.errors import OutOfOrder, StepAborted, StepTimeout, ZenError, behind
 from zend.core import dtypes
 from zend.core.topk import TopKCompressor
@@ -372,8 +372,9 @@ class ZenProcessGroup(ProcessGroup):
 
         def deliver(result: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
             out_rows, out_values = result
-            total = torch.sparse_coo_tensor(_delinearise(out_rows, first), out_values.to(first.dtype), first.shape,
-                                            is_coalesced=True, check_invariants=False)  # rows: checked by the daemon
+            rows_in_range = checked_rows(out_rows, num_rows, zen_name)  # then every sparse dim's index is in range
+            total = torch.sparse_coo_tensor(_delinearise(rows_in_range, first), out_values.to(first.dtype),
+                                            first.shape, is_coalesced=True, check_invariants=False)
             for t in tensors:
                 t.copy_(total)
             return tensors
@@ -404,7 +405,7 @@ class ZenProcessGroup(ProcessGroup):
             def deliver(result: Any) -> list[torch.Tensor]:
                 rows, values = result
                 dense = torch.zeros(numel, dtype=first.dtype, device=first.device)
-                dense[rows] = values.to(first.dtype)
+                dense[checked_rows(rows, numel, zen_name)] = values.to(first.dtype)
                 for t in tensors:
                     t.copy_(dense.reshape(t.shape))
                 return tensors

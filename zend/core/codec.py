@@ -33,6 +33,18 @@ class CodecError(ValueError):
     """A message that does not decode: names the field and the value."""
 
 
+class PeerMessageError(CodecError):
+    """A message from rank `src` that does not decode or fails a check of what it carries (keys of
+    the tensor, finite values): names the sender, the receiver and the phase."""
+
+    def __init__(self, src: int, dst: int, phase: str, reason: str):
+        super().__init__(f"rank {src} sent rank {dst} a bad {phase} message: {reason}")
+        self.src, self.dst, self.phase, self.reason = src, dst, phase, reason
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, str, str]]:  # picklable, as exceptions are
+        return type(self), (self.src, self.dst, self.phase, self.reason)
+
+
 class Encoding(enum.IntEnum):
     COO = 0
     BITMAP = 1

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zend.core.sparse import NonFinitePolicy
+
 
 class CommError(RuntimeError):
     """A message could not be delivered or did not arrive; the message names the peer."""
@@ -113,12 +115,17 @@ class Traffic:
 
 
 class Channel:
-    """A communicator seen through one sync: scoped tags, counted bytes."""
+    """A communicator seen through one sync: scoped tags, counted bytes, and the policy for NaN and
+    Inf in what peers send (`nonfinite`: "reject", as for what trainers submit, or "pass")."""
 
-    def __init__(self, comm: Communicator, sync_id: str = "0", timeout_s: float | None = 60.0):
+    def __init__(self, comm: Communicator, sync_id: str = "0", timeout_s: float | None = 60.0,
+                 nonfinite: NonFinitePolicy = "reject"):
+        if nonfinite not in ("reject", "pass"):
+            raise ValueError(f"non-finite policy {nonfinite!r} is not 'reject' or 'pass'")
         self.comm = comm
         self.sync_id = sync_id
         self.timeout_s = timeout_s
+        self.nonfinite = nonfinite
         self.traffic = Traffic()
         self.device: torch.device | None = None
 

@@ -16,6 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -63,6 +64,12 @@ class Partitioner(ABC):
     def assemble(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
         """Inverse of split: parts[j] holds units of partition j; returns a coalesced gradient."""
 
+    def check_keys(self, part: int, keys: torch.Tensor) -> None:
+        """ValueError unless every key of partition `part` (each already in its domain) is a unit of
+        the tensor: what a received message is checked against. A domain that is exactly the
+        partition's units has nothing more to check."""
+        return None
+
 
 # Assembling through a table over all rows (two linear passes) beats sorting the pulled rows
 # while there are at most this many rows per pulled unit.
@@ -96,6 +103,18 @@ def _group_by_part(part_ids: torch.Tensor, num_parts: int) -> tuple[torch.Tensor
     small = part_ids.numpy().astype(np.uint8 if num_parts <= 256 else np.uint16)
     order = torch.from_numpy(np.argsort(small, kind="stable").astype(np.int64, copy=False))
     return order, np.bincount(small, minlength=num_parts).tolist()
+
+
+@lru_cache(maxsize=1024)
+def _keys_past_the_rows(num_rows: int, n: int, s_count: int, multiplier: int, salt: int, part: int
+                        ) -> tuple[int, ...]:
+    """The keys of ZEN partition `part`'s last block that decode to rows past the tensor, ascending
+    (ZenPartitioner.rows_of for the last block, in integers: kernels._zen_rows_of's formula)."""
+    if num_rows % n == 0:
+        return ()
+    b = math.ceil(num_rows / n) - 1
+    h = ((((b ^ salt) * multiplier) & 0xFFFFFFFF) * n) >> 32  # zend.core.hashing.SeededHash
+    return tuple(b * s_count + s for s in range(s_count) if b * n + (part + 2 * n - s - h) % n >= num_rows)
 
 
 def _largest_divisor_at_most(value: int, limit: int) -> int:
@@ -179,6 +198,21 @@ class ZenPartitioner(Partitioner):
         # r mod n = (part - s - h(b)) mod n, each term in [0, n): shift by 2n to stay positive.
         offset = (part + 2 * n - slice_ids - self.hash(blocks)) % n
         return blocks * n + offset, slice_ids
+
+    def check_keys(self, part: int, keys: torch.Tensor) -> None:
+        """The domain holds every block whole, but the last block is partial when n does not divide
+        num_rows: some of its keys decode to rows past the tensor. Those keys (S at most, the same at
+        every step) are known in advance: one max over the keys, a comparison only if it reaches them."""
+        past = _keys_past_the_rows(self.num_rows, self.num_parts, self.slices, self.hash.multiplier, self.hash.salt,
+                                   part)
+        if not past or keys.numel() == 0 or int(keys.max()) < past[0]:
+            return
+        wrong = set(keys[keys >= past[0]].tolist()).intersection(past)  # the few keys at the domain's top
+        if wrong:
+            key = min(wrong)
+            row = int(self.rows_of(part, torch.tensor([key]))[0][0])
+            raise ValueError(f"key {key} decodes to row {row}, outside partition {part}'s rows "
+                             f"(num_rows {self.num_rows}: the last block is partial)")
 
     def assemble(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
         """Every row of the union, each of its S slices from the partition that owns it.

@@ -29,6 +29,21 @@ def ascending(keys: torch.Tensor) -> bool:
     return keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all())
 
 
+def first_nonfinite(values: torch.Tensor) -> tuple[int, float] | None:
+    """(row, value) of the first NaN or Inf of `values` (a row per leading index), or None.
+
+    One cheap pass first: NaN and Inf propagate into the sum, so a finite sum means every value is
+    finite; a non-finite one (a NaN, an Inf, or an overflow of the sum alone) sends us to the exact
+    scan, which names the value or finds none."""
+    if values.numel() == 0 or bool(torch.isfinite(values.sum())):
+        return None
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return None
+    pos = int(bad.reshape(values.shape[0], -1).any(dim=1).nonzero()[0, 0])
+    return pos, values[pos].reshape(-1)[bad[pos].reshape(-1)][0].item()
+
+
 @dataclass(frozen=True)
 class SparseGrad:
     """Rows `indices` of a (num_rows, *row_shape) tensor, with their `values`.
@@ -103,17 +118,10 @@ class SparseGrad:
                 raise SparseGradError(f"{where}: negative index {lo}")
             if hi >= self.num_rows:
                 raise SparseGradError(f"{where}: index {hi} out of range for {self.num_rows} rows")
-            # one cheap pass first: NaN and Inf propagate into the sum, so a finite sum means every
-            # value is finite; an infinite one (a NaN, an Inf, or an overflow of the sum alone)
-            # sends us to the exact scan, which names the value or finds none
-            if nonfinite == "reject" and not bool(torch.isfinite(self.values.sum())):
-                bad = ~torch.isfinite(self.values)
-                if bool(bad.any()):
-                    pos = int(bad.reshape(self.nnz, -1).any(dim=1).nonzero()[0, 0])
-                    value = self.values[pos].reshape(-1)[bad[pos].reshape(-1)][0].item()
-                    raise SparseGradError(
-                        f"{where}: non-finite value {value} in row {int(self.indices[pos])}"
-                    )
+            bad = first_nonfinite(self.values) if nonfinite == "reject" else None
+            if bad is not None:
+                pos, value = bad
+                raise SparseGradError(f"{where}: non-finite value {value} in row {int(self.indices[pos])}")
         if nonfinite not in ("reject", "pass"):
             raise SparseGradError(f"{where}: non-finite policy {nonfinite!r} is not 'reject' or 'pass'")
         return self

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zend.core import costmodel
+from zend.core.codec import PeerMessageError
 from zend.core.comm import Channel, CommAborted, CommError, CommTimeout, Communicator
 from zend.core.schemes import SyncResult
 from zend.core.sparse import SparseGrad, SparseGradError
@@ -192,7 +193,8 @@ def check_rows(spec: TensorSpec, out: SparseGrad) -> None:
     """SparseGradError unless every row of the sum is one of the tensor's: it was assembled from what
     peers sent, and a trainer that builds a tensor from an out-of-range row writes outside its memory
     (the trainer reads the result unchecked). One pass over the indices, before the commit, so a bad
-    peer message fails the step on every node."""
+    peer message fails the step on every node. A backstop: the schemes check every peer message's
+    keys as it comes (a PeerMessageError names the sender)."""
     if spec.layout == "dense" or out.nnz == 0:
         return
     low, high = (int(x) for x in torch.aminmax(out.indices))
@@ -222,6 +224,11 @@ def as_step_error(exc: Exception, where: str, node: int) -> StepError:
                                         f"step timeout: {exc}")
     if isinstance(exc, CommError):
         return StepError(codes.ABORTED, f"{where} aborted on node {node}: peer node lost: {exc}")
+    if isinstance(exc, PeerMessageError):
+        # bad data from a peer (rank = node): INVALID_ARGUMENT, as a node's own bad row or another node's shape,
+        # not ABORTED, which trainers redo: the same step from the same peer would fail again
+        log.warning("%s: node %d refused a message: %s", where, node, exc)
+        return StepError(codes.INVALID_ARGUMENT, f"{where}: {exc}")
     if isinstance(exc, SparseGradError | ValueError):
         return StepError(codes.INVALID_ARGUMENT, f"{where}: {exc}")
     log.error("internal error in %s", where, exc_info=exc)

@@ -53,7 +53,7 @@ class TensorSpec:
         if self.layout not in LAYOUTS:
             raise SparseGradError(f"{where}: layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if len(self.shape) > MAX_DIMS:
-            raise SparseGradError(f"{where}: {len(self.shape)} dimensions, more than {MAX_DIMS}")
+            raise SparseGradError(f"{where}: shape has {len(self.shape)} dimensions, more than {MAX_DIMS}")
         if not self.shape or any(d < 1 for d in self.shape) or self.shape[0] >= 2**31:
             raise SparseGradError(f"{where}: shape {list(self.shape)} must have positive sizes and < 2**31 rows")
         if math.prod(self.shape) * self.itemsize >= 1 << 40:

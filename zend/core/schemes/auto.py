@@ -31,7 +31,7 @@ import torch
 
 from zend.core import costmodel
 from zend.core.comm import Channel
-from zend.core.schemes.base import Scheme, SyncResult
+from zend.core.schemes.base import Scheme, SyncResult, from_peer
 from zend.core.schemes.centralized import AGSparseScheme, HCScheme
 from zend.core.schemes.dense import DenseScheme
 from zend.core.schemes.parallel import SparsePSScheme, ZenScheme
@@ -130,9 +130,14 @@ class AutoScheme(Scheme):
         for j in range(ch.world_size):
             if j != ch.rank:
                 theirs = ch.recv(j, "auto_times")
-                if theirs.numel() != mine.numel() * 8:
-                    raise ValueError(f"auto: rank {j} timed {theirs.numel() // 8} candidates, this rank {len(names)}")
-                slowest = torch.maximum(slowest, theirs.view(torch.float64))
+                with from_peer(ch, j, "auto_times"):
+                    if theirs.dtype != torch.uint8 or theirs.dim() != 1 or theirs.numel() != mine.numel() * 8:
+                        raise ValueError(f"auto: rank {j} timed {theirs.numel() // 8} candidates, this rank "
+                                         f"{len(names)}")
+                    times = theirs.view(torch.float64)
+                    if not bool((times >= 0).all()):  # NaN (False here) or negative: no timing
+                        raise ValueError(f"auto: times {times.tolist()} are not all non-negative numbers")
+                slowest = torch.maximum(slowest, times)
         self.agreed = dict(zip(names, slowest.tolist(), strict=True))
         self.choice = min(names, key=lambda n: (self.agreed[n], names.index(n)))
         self.best = {}

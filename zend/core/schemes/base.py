@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from zend.core import kernels
+from zend.core.codec import Header, PeerMessageError, decode_units
 from zend.core.comm import Channel, Traffic
-from zend.core.sparse import SparseGrad
+from zend.core.sparse import SparseGrad, first_nonfinite
 
 
 @dataclass
@@ -99,3 +103,51 @@ def finish(values32: torch.Tensor, dtype: torch.dtype, average: bool, world_size
 def local_only(grad: SparseGrad, ch: Channel, name: str) -> SyncResult:
     """The world of one rank: the sum (and the average) is the rank's own gradient."""
     return SyncResult(grad, name, ch.traffic, mean_input_rows=float(grad.nnz))
+
+
+# ---------------------------------------------------------------- what peers send
+# A peer's message is checked as strictly as a trainer's gradient: it decodes (magic, version,
+# dtype, exact lengths, keys in the receiver's domain), its keys are units of the tensor, and its
+# values are finite unless the channel's policy passes NaN and Inf. Any failure is a
+# PeerMessageError naming the sender, the receiver and the phase.
+
+@contextmanager
+def from_peer(ch: Channel, src: int, phase: str) -> Iterator[None]:
+    """Turn a ValueError (a CodecError included) raised while reading rank `src`'s message into a
+    PeerMessageError that names it."""
+    try:
+        yield
+    except PeerMessageError:
+        raise
+    except ValueError as exc:
+        raise PeerMessageError(src, ch.rank, phase, str(exc)) from None
+
+
+def check_finite(ch: Channel, values: torch.Tensor, keys: torch.Tensor | None = None, what: str = "unit") -> None:
+    """ValueError naming the first NaN or Inf of `values` (and its key), unless the policy passes them.
+    One vectorised pass on CPU float32 (kernels.all_finite); else the daemon's cheap check for trainers'
+    parts (one sum, the exact scan only when the sum is not finite)."""
+    if ch.nonfinite != "reject":
+        return
+    if values.dtype == torch.float32 and values.device.type == "cpu" and values.is_contiguous() \
+            and kernels.available() and kernels.all_finite(values.reshape(-1).numpy()):
+        return
+    bad = first_nonfinite(values)  # the twin, and after the kernel saw one, the exact scan that names it
+    if bad is not None:
+        pos, value = bad
+        where = f"{what} {int(keys[pos])}" if keys is not None else f"{what} {pos}"
+        raise ValueError(f"non-finite value {value} in {where} (NaN and Inf are rejected)")
+
+
+def recv_units(ch: Channel, src: int, phase: str, unit_width: int, domain: int, dtype: torch.dtype, *,
+               round_: int = 0, keys_ascending: bool = False,
+               check_keys: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, Header]:
+    """Receive rank `src`'s units message of `phase` and check it (see `decode_units`; `check_keys`
+    raises ValueError for keys in the domain that are not the tensor's); PeerMessageError otherwise."""
+    msg = ch.recv(src, phase, round_)
+    with from_peer(ch, src, phase):
+        keys, values, header = decode_units(msg, unit_width, domain, dtype, keys_ascending)
+        if check_keys is not None:
+            check_keys(keys)
+        check_finite(ch, values, keys, "key")
+    return keys, values, header

@@ -13,7 +13,7 @@ import torch
 from zend.core.aggregate import sum_keyed
 from zend.core.codec import Encoding, decode_units, encode_units, read_header
 from zend.core.comm import Channel
-from zend.core.schemes.base import ExchangeScheme, SyncResult, finish
+from zend.core.schemes.base import ExchangeScheme, SyncResult, check_finite, finish, from_peer, recv_units
 from zend.core.sparse import SparseGrad
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (sorted row indices, values (nnz, row_len))
@@ -27,7 +27,7 @@ def _send_rows(ch: Channel, dst: int, phase: str, rows: Rows, num_rows: int,
 
 
 def _recv_rows(ch: Channel, src: int, phase: str, grad: SparseGrad, round_: int = 0) -> Rows:
-    keys, values, _ = decode_units(ch.recv(src, phase, round_), grad.row_len, grad.num_rows, grad.dtype)
+    keys, values, _ = recv_units(ch, src, phase, grad.row_len, grad.num_rows, grad.dtype, round_=round_)
     return keys, values
 
 
@@ -92,9 +92,19 @@ class AGSparseScheme(ExchangeScheme):
             forward = ch.recv(prev, "allgather", step)
             messages[(me - step - 1) % n] = forward
         gathered: list[Rows] = []
-        for msg in messages:
+        for origin, msg in enumerate(messages):
             assert msg is not None
-            keys, values, _ = decode_units(msg, grad.row_len, grad.num_rows, grad.dtype)
+            if origin == me:
+                keys, values, _ = decode_units(msg, grad.row_len, grad.num_rows, grad.dtype)
+            else:  # checked here, whoever forwarded it: prev is the rank it came from
+                with from_peer(ch, prev, "allgather"):
+                    try:
+                        keys, values, _ = decode_units(msg, grad.row_len, grad.num_rows, grad.dtype)
+                        check_finite(ch, values, keys, "row")
+                    except ValueError as exc:
+                        if origin == prev:
+                            raise
+                        raise ValueError(f"rank {origin}'s gradient, forwarded: {exc}") from None
             gathered.append((keys, values))
         keys, summed = sum_keyed(gathered, deterministic)
         ch.note_encoding("allgather", "COO")

@@ -6,9 +6,10 @@ import math
 
 import torch
 
+from zend.core import kernels
 from zend.core.codec import CodecError
 from zend.core.comm import Channel
-from zend.core.schemes.base import ExchangeScheme, SyncResult
+from zend.core.schemes.base import ExchangeScheme, SyncResult, check_finite, from_peer
 from zend.core.sparse import SparseGrad
 
 # A chunk travels in pieces of about this size, so that summing piece p overlaps with the
@@ -24,11 +25,23 @@ def _as_wire(piece: torch.Tensor) -> torch.Tensor:
     return piece.view(torch.uint8)  # raw bytes, no header and no copy: both ends know the size
 
 
-def _check(got: torch.Tensor, piece: torch.Tensor, phase: str, step: int) -> torch.Tensor:
-    expected = piece.numel() * piece.element_size()
-    if got.numel() != expected:
-        raise CodecError(f"{phase} step {step}: piece of {got.numel()} bytes, expected {expected}")
-    return got.view(piece.dtype)
+def _land(ch: Channel, src: int, got: torch.Tensor, piece: torch.Tensor, phase: str, step: int, add: bool) -> None:
+    """piece += (add) or = the piece rank `src` sent, once it is checked: its exact length, and finite
+    values unless the policy passes NaN and Inf; PeerMessageError naming `src` otherwise (the piece may
+    then be half written: the step fails). On CPU float32 the finite check rides in the same pass."""
+    with from_peer(ch, src, phase):
+        expected = piece.numel() * piece.element_size()
+        if got.dtype != torch.uint8 or got.dim() != 1 or got.numel() != expected:
+            raise CodecError(f"step {step}: piece of {got.numel()} {got.dtype} elements, expected {expected} bytes")
+        values = got.view(piece.dtype)
+        fused = (ch.nonfinite == "reject" and piece.dtype == torch.float32 and piece.device.type == "cpu"
+                 and values.device.type == "cpu" and piece.is_contiguous() and kernels.available())
+        if fused and kernels.land_finite(piece.numpy(), values.numpy(), add):
+            return
+        check_finite(ch, values, what=f"step {step}, element")  # the torch twin; after the kernel, names the value
+        if fused:
+            raise AssertionError("land_finite saw a NaN or Inf that check_finite did not")
+        (piece.add_ if add else piece.copy_)(values)
 
 
 class DenseScheme(ExchangeScheme):
@@ -55,7 +68,8 @@ class DenseScheme(ExchangeScheme):
         for step in range(n - 1):  # after it, chunk (me + 1) % n holds the full sum
             recv_c = (me - step - 1) % n
             for p, piece in enumerate(chunks[recv_c]):
-                piece.add_(_check(ch.recv(prev, "reduce_scatter", step * count + p), piece, "reduce_scatter", step))
+                _land(ch, prev, ch.recv(prev, "reduce_scatter", step * count + p), piece, "reduce_scatter", step,
+                      add=True)
                 if step < n - 2:  # this chunk is what the next step sends: forward it now
                     ch.send(nxt, "reduce_scatter", _as_wire(piece), (step + 1) * count + p)
         owned = (me + 1) % n
@@ -73,7 +87,7 @@ class DenseScheme(ExchangeScheme):
             recv_c = (owned - step - 1) % n
             for p, dst in enumerate(out[recv_c]):
                 got = ch.recv(prev, "allgather", step * count + p)
-                dst.copy_(_check(got, dst, "allgather", step))
+                _land(ch, prev, got, dst, "allgather", step, add=False)
                 if step < n - 2:  # forward the bytes as they came
                     ch.send(nxt, "allgather", got, (step + 1) * count + p)
         ch.note_encoding("allgather", "DENSE")

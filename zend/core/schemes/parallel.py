@@ -9,10 +9,12 @@ One skeleton, three schemes that differ only in how they partition and encode:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from zend.core.aggregate import slot_keys, sum_into
-from zend.core.codec import Encoding, allocate_units, cheapest, decode_units, encode_gathered, read_header, write_bitmap
+from zend.core.codec import Encoding, allocate_units, cheapest, encode_gathered, read_header, write_bitmap
 from zend.core.comm import Channel
 from zend.core.partition import (
     BlockRangePartitioner,
@@ -21,7 +23,7 @@ from zend.core.partition import (
     RowRangePartitioner,
     ZenPartitioner,
 )
-from zend.core.schemes.base import ExchangeScheme, SyncResult, imbalance
+from zend.core.schemes.base import ExchangeScheme, SyncResult, from_peer, imbalance, recv_units
 from zend.core.sparse import SparseGrad
 
 BOTH = (Encoding.COO, Encoding.BITMAP)
@@ -76,7 +78,8 @@ class ParallelScheme(ExchangeScheme):
                 keys_in.append(split[me].keys)
                 values_in.append(split[me].values)
             else:
-                keys, values, _ = decode_units(ch.recv(i, "push"), parts.unit_width, domain, dtype)
+                keys, values, _ = recv_units(ch, i, "push", parts.unit_width, domain, dtype,
+                                             check_keys=partial(parts.check_keys, me))
                 keys_in.append(keys)
                 values_in.append(values)
         units_in = sum(k.numel() for k in keys_in)
@@ -113,8 +116,13 @@ class ParallelScheme(ExchangeScheme):
                 pulled.append(mine)
                 units_at_owner.append(units_in)
             else:
-                keys, values, header = decode_units(ch.recv(j, "pull"), parts.unit_width, parts.domain_size(j),
-                                                    mine.source.dtype, keys_ascending=True)
+                domain = parts.domain_size(j)
+                keys, values, header = recv_units(ch, j, "pull", parts.unit_width, domain, mine.source.dtype,
+                                                  keys_ascending=True, check_keys=partial(parts.check_keys, j))
+                with from_peer(ch, j, "pull"):  # the units its owner received: at least its sum's, n x domain at most
+                    if not header.count <= header.aux <= n * domain:
+                        raise ValueError(f"it received {header.aux} units for a sum of {header.count} (domain "
+                                         f"{domain}, {n} ranks)")
                 pulled.append(Part(keys, values))
                 units_at_owner.append(header.aux)
         return pulled, units_at_owner
