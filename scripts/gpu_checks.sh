@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/zen-gpu-checks}"
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then  # what the machine's image lacks (grpcio-health-checking, ...)
+if compgen -G ".whl/*.whl" >/dev/null; then  # what the image lacks (grpcio-health-checking, cryptography, ...)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site || exit 1
 fi

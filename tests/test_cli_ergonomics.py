@@ -251,3 +251,21 @@ def test_serve_rendezvous_env_names_what_is_missing_before_making_its_socket_fol
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert all(name in run.stderr for name in missing), run.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_status_of_a_node_with_20000_tensors_stays_within_the_cli_reply_limit():
+    from zend.daemon.jobs import TensorStats
+    from zend.daemon.operator_service import MAX_STATUS_ROWS, status_reply
+    from zend.daemon.status import NodeStatus, SessionStatus, TensorStatus
+
+    tensors = tuple(TensorStatus(f"job{i % 7}", "t" * 200 + str(i), i, (50_257, 768, 1, 1, 1, 1, 1, 1), "float32",
+                                 "sparse_rows", "zen", TensorStats(steps=1)) for i in range(20_000))
+    sessions = tuple(SessionStatus(f"{i:08x}", f"job{i % 7}", i % 1024, 1000 + i, 1 << 20) for i in range(5_000))
+    node = NodeStatus(0, 2, 0, "c", "static", "tcp", (), 0, False, "0.1.0", 0, (), sessions, tensors)
+    reply = status_reply(node)
+    assert reply.ByteSize() < 4 << 20  # zend status's own reply limit
+    assert (reply.tensor_count, len(reply.tensors), reply.session_count, len(reply.sessions)) == (
+        20_000, MAX_STATUS_ROWS, 5_000, MAX_STATUS_ROWS)
+    table = format_status(reply)
+    assert f"tensors ({MAX_STATUS_ROWS} of 20000 shown)" in table
+    assert f"sessions ({MAX_STATUS_ROWS} of 5000 shown)" in table

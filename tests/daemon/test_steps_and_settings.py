@@ -266,3 +266,47 @@ def test_sessions_and_tensors_per_job_are_bounded_with_the_limit_named():
     reg.register(s, TensorSpec("a", "t1", (10, 2), "float32", "sparse_rows", False), lambda: "scheme")  # again: fine
     other = reg.open_session("b", 0, 1, pid=2)
     reg.register(other, TensorSpec("b", "t2", (10, 2), "float32", "sparse_rows", False), lambda: "scheme")  # per job
+
+
+# --- per-job quotas and the buffer socket's bounds (issue 14, item 5) ------------------------------
+
+def test_quota_settings_have_sane_defaults_and_read_the_environment():
+    s = resolve({}, env={})
+    assert (s.max_sessions_per_job, s.max_submits_in_flight_per_job) == (1024, 1024)
+    assert (s.max_buffer_connections, s.max_buffer_connections_per_pid, s.buffer_hello_timeout_s) == (1024, 64, 5.0)
+    assert s.max_job_buffer_bytes == 0 and s.job_buffer_bytes == s.max_pool_bytes // 2  # no job takes the whole pool
+    s = resolve({"max_pool_bytes": 1 << 30}, env={"ZEND_MAX_JOB_BUFFER_BYTES": str(1 << 30),
+                                                  "ZEND_MAX_SUBMITS_IN_FLIGHT_PER_JOB": "8"})
+    assert (s.job_buffer_bytes, s.max_submits_in_flight_per_job) == (1 << 30, 8)
+    assert s.sources["max_job_buffer_bytes"] == "$ZEND_MAX_JOB_BUFFER_BYTES"
+
+
+@pytest.mark.parametrize(("flags", "env", "message"), [
+    ({"max_pool_bytes": 1000, "max_job_buffer_bytes": 1001}, {},
+     r"max_job_buffer_bytes=1001 \(from flag\): must be 0 \(half of max_pool_bytes\) or in \[1, 1000\]"),
+    ({}, {"ZEND_MAX_JOB_BUFFER_BYTES": "-1"}, r"max_job_buffer_bytes=-1 \(from \$ZEND_MAX_JOB_BUFFER_BYTES\)"),
+    ({"max_sessions_per_job": 0}, {}, r"max_sessions_per_job=0 \(from flag\): must be at least 1"),
+    ({"max_sessions_per_job": 1025}, {}, r"max_sessions_per_job=1025 .*at most 1024"),
+    ({"max_submits_in_flight_per_job": 0}, {}, "max_submits_in_flight_per_job=0 .*must be at least 1"),
+    ({"max_buffer_connections": 0}, {}, "max_buffer_connections=0 .*must be at least 1"),
+    ({"max_buffer_connections": 10, "max_buffer_connections_per_pid": 11}, {},
+     r"max_buffer_connections_per_pid=11 .*at most max_buffer_connections \(10\)"),
+    ({}, {"ZEND_BUFFER_HELLO_TIMEOUT_S": "0"}, r"buffer_hello_timeout_s=0.0 \(from \$ZEND_BUFFER_HELLO_TIMEOUT_S\): "
+                                               "must be positive"),
+])
+def test_bad_quota_settings_name_the_setting_value_and_source(flags, env, message):
+    with pytest.raises(SettingsError, match=message):
+        resolve(flags, env=env)
+
+
+def test_a_jobs_sessions_are_bounded_by_its_quota_per_job():
+    reg = JobRegistry(b"s" * 32, max_sessions_per_job=2)
+    with pytest.raises(StepError, match=r"job 'a' asks for local_world_size 3 trainers on this node, over its "
+                                        r"quota of 2 sessions \(max_sessions_per_job\)") as err:
+        reg.open_session("a", 0, 3, pid=1)
+    assert err.value.code == codes.RESOURCE_EXHAUSTED
+    for rank in range(2):
+        reg.open_session("a", rank, 2, pid=rank)
+    reg.open_session("b", 0, 2, pid=3)  # another job's own quota
+    with pytest.raises(StepError, match="already taken"):
+        reg.open_session("a", 1, 2, pid=4)

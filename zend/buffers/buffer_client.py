@@ -153,8 +153,17 @@ class BufferClient:
         if sock is None:
             raise SharedBufferError(f"buffer client of session {self.session_id!r} is closed")
         try:
-            wire.send_message(sock, body)
-            message = wire.recv_message(sock)
+            unsent: OSError | None = None
+            try:
+                wire.send_message(sock, body)
+            except (BrokenPipeError, ConnectionResetError) as exc:  # a daemon that refused the connection at
+                unsent = exc  # once answered, then closed, maybe before this was sent: read its answer first
+            try:
+                message = wire.recv_message(sock)
+            except (OSError, wire.ProtocolError):
+                if unsent is not None:
+                    raise unsent from None
+                raise
         except BaseException as exc:
             self._sock = None  # a late or partial reply would desynchronise the stream: the session is over
             sock.close()

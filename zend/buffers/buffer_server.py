@@ -5,8 +5,11 @@ id alone claims nothing), and asks for buffers; the daemon creates them (memfd, 
 "cpu", CUDA memory for "cuda:N") and passes them back. The connection *is* the session: when
 it ends for any reason (the trainer closed it, exited or was killed), every buffer of the
 session is freed and ``on_session_closed`` is called, so a dead trainer can never leak memory.
-One thread per connection; a connection that sends anything malformed is dropped without
-disturbing the others. ``get`` is safe to call from any thread.
+One thread per connection, and a bounded number of them: past ``max_connections`` in all, or
+``max_connections_per_pid`` from one process, a new connection is refused at once with a message
+(no thread), and one that has not said hello within ``hello_timeout_s`` is closed; connections
+already serving a session are never touched. A connection that sends anything malformed is
+dropped without disturbing the others. ``get`` is safe to call from any thread.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ log = logging.getLogger("zend.buffers")
 
 SOCKET_MODE = 0o660  # owner and group (the trainers' group) only: never world-writable
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_SWEEP_S = 0.25  # how often the accept loop looks for connections whose hello is late
+_WARN_EVERY_S = 10.0  # refusals of one kind are logged once per this, with a count of the rest
 
 
 class ClaimRefused(Exception):
@@ -76,27 +81,41 @@ class BufferServer:
             None: steps are refused (Submit over gRPC only).
         max_session_bytes: the most bytes one session may hold.
         max_total_bytes: the most bytes all sessions together may hold.
+        max_job_bytes: the most bytes the sessions of one job (``SessionInfo.job``) may hold together
+            (None: max_total_bytes).
         cuda_pool: whether "cuda:N" buffers are served (else only "cpu").
-        hello_timeout_s: how long a new connection may take to say hello.
+        hello_timeout_s: how long a new connection may take to say hello (all of it, not per read).
+        max_connections: connections served at once, each on its own thread; more are refused.
+        max_connections_per_pid: of them, from one process (peers of unknown pid, 0 when they live in
+            another pid namespace, count only towards max_connections).
+        max_step_connections: extra (step) connections one session may attach.
     """
 
     def __init__(self, path: str, authenticate: Callable[[str, str], SessionInfo | None], *,
                  on_session_closed: Callable[[str], None] = lambda s: None, on_step: StepHandler | None = None,
-                 max_session_bytes: int = 64 << 30, max_total_bytes: int = 256 << 30, cuda_pool: bool = False,
-                 hello_timeout_s: float = 10.0) -> None:
+                 max_session_bytes: int = 64 << 30, max_total_bytes: int = 256 << 30, max_job_bytes: int | None = None,
+                 cuda_pool: bool = False, hello_timeout_s: float = 5.0, max_connections: int = 1024,
+                 max_connections_per_pid: int = 64, max_step_connections: int = 256) -> None:
         self.path = path
         self._authenticate = authenticate
         self._on_session_closed = on_session_closed
         self._on_step = on_step
         self.max_session_bytes = max_session_bytes
         self.max_total_bytes = max_total_bytes
+        self.max_job_bytes = max_total_bytes if max_job_bytes is None else max_job_bytes
         self.cuda_pool = cuda_pool
         self._hello_timeout_s = hello_timeout_s
+        self.max_connections, self.max_connections_per_pid = max_connections, max_connections_per_pid
+        self.max_step_connections = max_step_connections
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._buffers: dict[str, tuple[str, SharedBuffer]] = {}
         self._pool_bytes = 0
+        self._job_bytes: dict[str, int] = {}  # job -> bytes its sessions hold (and allocations in flight)
         self._conns: set[socket.socket] = set()
+        self._pid_conns: dict[int, int] = {}  # peer pid (known ones) -> its connections
+        self._hello_due: dict[socket.socket, float] = {}  # connections yet to say hello -> their deadline
+        self._warned: dict[str, tuple[float, int]] = {}  # kind of refusal -> (last logged, refused since)
         self._threads: set[threading.Thread] = set()
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -157,6 +176,17 @@ class BufferServer:
         with self._lock:
             return self._pool_bytes
 
+    def job_bytes(self, job: str) -> int:
+        """Bytes the sessions of ``job`` hold together."""
+        with self._lock:
+            return self._job_bytes.get(job, 0)
+
+    @property
+    def connections(self) -> int:
+        """Connections served now (each has its thread)."""
+        with self._lock:
+            return len(self._conns)
+
     @property
     def sessions(self) -> list[str]:
         """Sessions with a live connection."""
@@ -197,32 +227,115 @@ class BufferServer:
     # -- connections --------------------------------------------------------------------------
 
     def _accept_loop(self, listener: socket.socket) -> None:
+        listener.settimeout(_SWEEP_S)  # wakes to cut connections whose hello is late
         while True:
+            self._cut_late_hellos()
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError as exc:
                 if self._closed:
                     return
                 log.warning("buffer socket %s: accept failed: %s", self.path, exc)
                 time.sleep(0.1)  # e.g. out of descriptors: do not spin
                 continue
+            conn.settimeout(None)
+            pid = _peer_pid(conn)
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                thread = threading.Thread(target=self._serve, args=(conn,), name="zend-buffers-conn", daemon=True)
-                self._conns.add(conn)
-                self._threads.add(thread)
-                thread.start()  # under the lock: close() must never see (and join) a thread not yet started
+                refusal = self._over_limit(pid)
+                if refusal is None:
+                    thread = threading.Thread(target=self._serve, args=(conn, pid), name="zend-buffers-conn",
+                                              daemon=True)
+                    self._conns.add(conn)
+                    if pid:
+                        self._pid_conns[pid] = self._pid_conns.get(pid, 0) + 1
+                    self._hello_due[conn] = time.monotonic() + self._hello_timeout_s
+                    self._threads.add(thread)
+                    thread.start()  # under the lock: close() must never see (and join) a thread not yet started
+            if refusal is not None:
+                self._refuse(conn, pid, refusal)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _over_limit(self, pid: int | None) -> str | None:
+        """(under _lock) Why a new connection from ``pid`` is refused, or None."""
+        if len(self._conns) >= self.max_connections:
+            return (f"the daemon serves {len(self._conns)} connections on its buffer socket, its limit "
+                    f"(max_buffer_connections {self.max_connections}); try again later")
+        held = self._pid_conns.get(pid, 0) if pid else 0
+        if held >= self.max_connections_per_pid:
+            return (f"process {pid} holds {held} connections to the buffer socket, its limit "
+                    f"(max_buffer_connections_per_pid {self.max_connections_per_pid})")
+        return None
+
+    def _refuse(self, conn: socket.socket, pid: int | None, error: str) -> None:
+        """Answer a connection refused at accept with the reason, close it (it never gets a thread)."""
+        try:
+            conn.setblocking(False)  # a new connection's send buffer is empty: the reply fits
+            wire.send_message(conn, wire.reply_error(f"connection refused: {error}", "RESOURCE_EXHAUSTED"))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        self._warn("refused", f"buffer socket: refused a connection from pid {pid}: {error}")
+
+    def _warn(self, kind: str, message: str) -> None:
+        """A WARNING, once per _WARN_EVERY_S for each kind (a flood of refusals must not flood the log)."""
+        now = time.monotonic()
+        with self._lock:
+            last, quiet = self._warned.get(kind, (-_WARN_EVERY_S, 0))
+            if now - last < _WARN_EVERY_S:
+                self._warned[kind] = (last, quiet + 1)
+                return
+            self._warned[kind] = (now, 0)
+        log.warning("%s%s", message, f" ({quiet} more like it in the last {now - last:.0f} s)" if quiet else "")
+
+    def _cut_late_hellos(self) -> None:
+        """Stop reading from connections past their hello deadline: their thread answers and closes them."""
+        now = time.monotonic()
+        with self._lock:
+            late = [conn for conn, due in self._hello_due.items() if due <= now]
+            for conn in late:
+                del self._hello_due[conn]
+        for conn in late:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)  # wakes its thread's recv(), which then finds it late
+
+    def _said_hello(self, conn: socket.socket) -> bool:
+        """The hello came in time (it is no longer due); False if the connection was cut as late."""
+        with self._lock:
+            return self._hello_due.pop(conn, None) is not None
+
+    def _late_hello(self, conn: socket.socket, pid: int | None) -> None:
+        error = f"no hello within {self._hello_timeout_s:g} s: connection closed"
+        with contextlib.suppress(OSError):
+            conn.settimeout(1.0)
+            wire.send_message(conn, wire.reply_error(error))
+        self._warn("late", f"buffer socket: pid {pid}: {error}")
+
+    def _serve(self, conn: socket.socket, pid: int | None) -> None:
         session: _Session | None = None
-        pid = _peer_pid(conn)
         who = f"pid {pid}"
         attached = False
         try:
-            conn.settimeout(self._hello_timeout_s)
-            hello = _request(conn)
+            conn.settimeout(self._hello_timeout_s)  # a trickled hello is cut by _cut_late_hellos at its deadline
+            try:
+                hello: wire.Request | None = _request(conn)
+            except TimeoutError:  # silent for the whole deadline
+                self._said_hello(conn)
+                hello = None
+            except (OSError, wire.ProtocolError):
+                if self._said_hello(conn):  # an ordinary drop, before the deadline
+                    raise
+                hello = None
+            else:
+                if not self._said_hello(conn):
+                    hello = None
+            if hello is None:  # cut at its deadline, or complete only after it
+                self._late_hello(conn, pid)
+                return
             if isinstance(hello, wire.Hello) and hello.attach:
                 session, attached = self._attach(conn, hello, pid), True
             else:
@@ -251,6 +364,11 @@ class BufferServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._hello_due.pop(conn, None)
+                if pid and pid in self._pid_conns:
+                    self._pid_conns[pid] -= 1
+                    if self._pid_conns[pid] <= 0:
+                        del self._pid_conns[pid]
                 self._threads.discard(threading.current_thread())
             conn.close()
             if session is not None and attached:
@@ -265,14 +383,19 @@ class BufferServer:
         session_id = hello.session
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is not None and not session.ended and pid is not None and session.info.pid == pid \
-                    and hmac.compare_digest(session.token, hello.token.encode()):
+            if session is None or session.ended or pid is None:
+                error = "no connected session of this process has that id"
+            elif session.info.pid != pid:
+                error = "it belongs to another process"
+            elif not hmac.compare_digest(session.token, hello.token.encode()):
+                error = "the token given is not the one that claimed it"
+            elif len(session.attached) >= self.max_step_connections:
+                error = (f"it has {len(session.attached)} step connections, its limit ({self.max_step_connections}); "
+                         "submit from fewer threads")
+            else:
                 session.attached.add(conn)
                 return session
-        error = (f"session {session_id!r} refused: no connected session of this process has that id"
-                 if session is None else
-                 f"session {session_id!r} refused: it belongs to another process" if session.info.pid != pid else
-                 f"session {session_id!r} refused: the token given is not the one that claimed it")
+        error = f"session {session_id!r} refused: {error}"
         log.warning("buffer socket: pid %s: %s", pid, error)
         wire.send_message(conn, wire.reply_error(error))
         return None
@@ -346,17 +469,22 @@ class BufferServer:
             raise SharedBufferError(f"alloc: nbytes must be >= 1, got {nbytes}")
         if device != "cpu" and not self.cuda_pool:
             raise SharedBufferError(f"alloc: device {device!r} refused: this daemon serves 'cpu' buffers only")
+        job = session.info.job
         with self._lock:
             if session.nbytes + nbytes > self.max_session_bytes:
                 raise SharedBufferError(f"alloc of {nbytes} bytes refused: session {session_id!r} holds "
-                                        f"{session.nbytes} bytes, its limit is {self.max_session_bytes} bytes",
+                                        f"{session.nbytes} bytes, its limit is {self.max_session_bytes} bytes "
+                                        "(max_session_bytes)", RESOURCE_EXHAUSTED)
+            held = self._job_bytes.get(job, 0)
+            if held + nbytes > self.max_job_bytes:  # one job never takes the pool from the others
+                raise SharedBufferError(f"alloc of {nbytes} bytes refused: job {job!r} holds {held} bytes on this "
+                                        f"node, its quota is {self.max_job_bytes} bytes (max_job_buffer_bytes)",
                                         RESOURCE_EXHAUSTED)
             if self._pool_bytes + nbytes > self.max_total_bytes:
                 raise SharedBufferError(f"alloc of {nbytes} bytes refused: the daemon's pool holds "
-                                        f"{self._pool_bytes} bytes, its limit is {self.max_total_bytes} bytes",
-                                        RESOURCE_EXHAUSTED)
-            session.nbytes += nbytes  # reserved while the buffer is created outside the lock
-            self._pool_bytes += nbytes
+                                        f"{self._pool_bytes} bytes, its limit is {self.max_total_bytes} bytes "
+                                        "(max_pool_bytes)", RESOURCE_EXHAUSTED)
+            self._charge(session, nbytes)  # reserved while the buffer is created outside the lock
             buffer_id = secrets.token_hex(8)
             while buffer_id in self._buffers:
                 buffer_id = secrets.token_hex(8)
@@ -377,8 +505,7 @@ class BufferServer:
         except BaseException:
             with self._lock:
                 if not session.ended:
-                    session.nbytes -= nbytes
-                    self._pool_bytes -= nbytes
+                    self._charge(session, -nbytes)
             raise
         with self._lock:
             if not session.ended:
@@ -395,9 +522,19 @@ class BufferServer:
                 raise SharedBufferError(f"free: buffer {buffer_id!r} is not a live buffer of session "
                                         f"{session.info.session_id!r}")
             del self._buffers[buffer_id]
-            session.nbytes -= buffer.nbytes
-            self._pool_bytes -= buffer.nbytes
+            self._charge(session, -buffer.nbytes)
         buffer.close()
+
+    def _charge(self, session: _Session, nbytes: int) -> None:
+        """(under _lock) Count ``nbytes`` more (or fewer) for the session, its job and the pool."""
+        session.nbytes += nbytes
+        self._pool_bytes += nbytes
+        job = session.info.job
+        held = self._job_bytes.get(job, 0) + nbytes
+        if held > 0:
+            self._job_bytes[job] = held
+        else:
+            self._job_bytes.pop(job, None)
 
     def _end_session(self, session: _Session) -> None:
         """Free every buffer of the session, then tell the daemon; once per session."""
@@ -412,8 +549,8 @@ class BufferServer:
             session.buffers.clear()
             for buffer in buffers:
                 self._buffers.pop(buffer.buffer_id, None)
-            self._pool_bytes -= session.nbytes
-            freed, session.nbytes = session.nbytes, 0
+            freed = session.nbytes
+            self._charge(session, -freed)
             attached = list(session.attached)
         for conn in attached:  # its step connections end with it (their threads see the socket close)
             with contextlib.suppress(OSError):

@@ -24,8 +24,10 @@ hello with a wrong token is refused and leaves the session to its trainer.
 Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "<message>"}``; an alloc reply adds
 ``"buffer"``, ``"nbytes"`` and ``"device"``, with the memfd attached for "cpu" or a
 ``"cuda_ipc"`` handle (see :mod:`zend.buffers.cuda`) for "cuda:N". Requests never carry a
-descriptor. Anything malformed raises :class:`ProtocolError`; the daemon then drops that one
-connection.
+descriptor. A connection the daemon will not serve (too many, in all or from one process) gets a
+refusal with ``"code": "RESOURCE_EXHAUSTED"`` at once, maybe before its hello is read, and is
+closed; one that has not said hello within the daemon's deadline gets a refusal and is closed.
+Anything malformed raises :class:`ProtocolError`; the daemon then drops that one connection.
 """
 
 from __future__ import annotations

@@ -40,6 +40,19 @@ HELP = {
     "metrics_host": "address the Prometheus endpoint binds (0.0.0.0 for a Prometheus on another host or pod)",
     "metrics_port": "Prometheus port (0: off)",
     "max_tensors_per_job": "tensors one job may register on this node (RESOURCE_EXHAUSTED beyond)",
+    "max_job_buffer_bytes": "shared-buffer bytes one job may hold on this node, all its trainers together "
+                            "(RESOURCE_EXHAUSTED beyond; 0: half of --max-pool-bytes, so one job never takes the "
+                            "whole pool)",
+    "max_sessions_per_job": "trainer sessions one job may open on this node (RESOURCE_EXHAUSTED beyond; at most 1024)",
+    "max_submits_in_flight_per_job": "steps one job's trainers may have waiting in the daemon at once, by Submit or "
+                                     "on buffers.sock (RESOURCE_EXHAUSTED beyond)",
+    "max_buffer_connections": "connections to buffers.sock at once (a thread each); more are refused with a message",
+    "max_buffer_connections_per_pid": "connections to buffers.sock from one process at once (a trainer needs one, "
+                                      "plus one per submitting thread); peers of unknown pid (0: another pid "
+                                      "namespace) count only towards --max-buffer-connections",
+    "buffer_hello_timeout_s": "a connection to buffers.sock that has not said hello by then is closed",
+    "grpc_workers": "threads for the short gRPC calls (a Submit or Ready that waits holds none; health never "
+                    "needs one)",
 }
 
 
@@ -226,6 +239,11 @@ def message_dict(message: Any) -> dict[str, Any]:
             else value(f, getattr(message, f.name)) for f in message.DESCRIPTOR.fields}
 
 
+def _listed(shown: int, total: int) -> str:
+    """'12', or '1000 of 20000 shown' where the daemon listed only the first rows."""
+    return str(shown) if shown >= total else f"{shown} of {total} shown"
+
+
 def format_status(reply: Any) -> str:
     """A StatusReply as a person reads it: the node, then a table each of peers, sessions and tensors."""
     state = "DRAINING" if reply.draining else "serving"
@@ -246,10 +264,11 @@ def format_status(reply: Any) -> str:
     lines += ["", *_table(f"peers ({len(reply.peers)})", ["rank", "address", "state"],
                           [[p.rank, p.address, "connected" if p.connected else f"down: {p.error or '?'}"]
                            for p in reply.peers])]
-    lines += ["", *_table(f"sessions ({len(reply.sessions)})", ["session", "job", "local rank", "pid", "buffers"],
+    lines += ["", *_table(f"sessions ({_listed(len(reply.sessions), reply.session_count)})",
+                          ["session", "job", "local rank", "pid", "buffers"],
                           [[x.session_id, x.job_id, x.local_rank, x.pid, _mb(x.buffer_bytes)]
                            for x in reply.sessions])]
-    lines += ["", *_table(f"tensors ({len(reply.tensors)})",
+    lines += ["", *_table(f"tensors ({_listed(len(reply.tensors), reply.tensor_count)})",
                           ["job", "tensor", "id", "shape", "dtype", "layout", "scheme", "steps", "last step",
                            "sync ms", "rows in", "rows out", "sent", "push/pull"],
                           [[t.job_id, t.name, t.tensor_id, "x".join(map(str, t.shape)),

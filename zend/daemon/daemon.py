@@ -13,21 +13,20 @@ import logging
 import os
 import threading
 import time
-from concurrent import futures
 from dataclasses import replace
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferServer, ClaimRefused, SessionInfo
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
+from zend.daemon import admission
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
+from zend.daemon.grpc_server import GrpcServers, Health, Registration
 from zend.daemon.jobs import JobRegistry, Session, operator_token
 from zend.daemon.membership import Membership, MembershipError, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
@@ -46,7 +45,6 @@ from zend.transport.link_transport import LinkTransport, PeerState
 log = logging.getLogger("zend.daemon")
 MAX_CONTROL_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused by gRPC
 SERVICES = ("zen.v1.Trainer", "zen.v1.Operator")
-TCP_GRPC_WORKERS = 8  # --grpc-listen without trainers: operators and probes only
 
 
 class Daemon:
@@ -56,21 +54,25 @@ class Daemon:
         s = self.settings = settings
         self.secret = load_secret(s.secret_file or None)
         self.metrics = DaemonMetrics(s.rank)
-        self.registry = JobRegistry(self.secret, s.max_tensors_per_job, s.max_session_bytes)
+        self.registry = JobRegistry(self.secret, s.max_tensors_per_job, s.max_session_bytes, s.max_sessions_per_job)
         # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
                                     on_step=lambda info, request: self.socket_steps(info, request),
                                     max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
-                                    cuda_pool=torch.cuda.is_available())
-        self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s)
+                                    max_job_bytes=s.job_buffer_bytes, cuda_pool=torch.cuda.is_available(),
+                                    hello_timeout_s=s.buffer_hello_timeout_s,
+                                    max_connections=s.max_buffer_connections,
+                                    max_connections_per_pid=s.max_buffer_connections_per_pid)
+        self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s,
+                                          s.max_submits_in_flight_per_job)
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
-        self.grpc_server: grpc.Server | None = None  # the unix socket: every service
-        self.tcp_grpc_server: grpc.Server | None = None  # --grpc-listen: Operator and health (Trainer if enabled)
+        self.grpc: GrpcServers | None = None  # the unix socket (every service) and --grpc-listen (TCP)
         self._health_lock = threading.Lock()  # a health change and the state it is read from, as one
         self._final_drain = False  # the drain before stopping: no Undrain after it
-        self.health = health.HealthServicer()
+        self._accept_error: str | None = None  # the data plane's listener is failing (health NOT_SERVING)
+        self.health = Health()  # answered on the gRPC event loop: never behind busy handler threads
         self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
                                      "not started")  # start() finds the real one
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
@@ -101,7 +103,7 @@ class Daemon:
         if self.elastic is not None:
             self._spawn(self._watch_membership, "membership")
         with self._health_lock:
-            if not self.trainer_steps.draining:  # an operator may have drained it while it was joining
+            if not self.trainer_steps.draining and self._accept_error is None:  # drained while it was joining?
                 self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
                                         "transport": self.transport_name, "generation": m.generation,
@@ -111,7 +113,7 @@ class Daemon:
     def _services(self) -> tuple[TrainerService, OperatorService]:
         s, count_error = self.settings, self.metrics.count_error
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
-                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.wait_whole,
+                                 self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.not_whole,
                                  lambda job: self.job_steps.get(job, 0))
         operator = OperatorService(self.status, self.drain, self.undrain, s.drain_timeout_s, count_error,
                                    operator_token(self.secret))
@@ -125,43 +127,31 @@ class Daemon:
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if os.path.exists(s.grpc_socket):
             os.unlink(s.grpc_socket)  # the buffer server already proved no live daemon owns this folder
+        self.grpc = GrpcServers(s.grpc_workers, [("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
+                                                 ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)])
         old_umask = os.umask(0o117)  # the socket is created 0660: not world-writable
         try:
-            self.grpc_server = self._grpc_server(f"unix:{s.grpc_socket}", s.grpc_workers, operator, trainer)
+            self._grpc_server(f"unix:{s.grpc_socket}", operator, trainer)
         finally:
             os.umask(old_umask)
         if s.grpc_listen:
             if s.grpc_listen_trainers:
                 log.warning("the Trainer service is served on TCP too: job tokens cross the network in clear",
                             extra={"event": "trainers_on_tcp", "address": s.grpc_listen})
-            self.tcp_grpc_server = self._grpc_server(
-                s.grpc_listen, s.grpc_workers if s.grpc_listen_trainers else TCP_GRPC_WORKERS, operator,
-                trainer if s.grpc_listen_trainers else None)
+            self._grpc_server(s.grpc_listen, operator, trainer if s.grpc_listen_trainers else None)
 
-    def _grpc_server(self, address: str, workers: int, operator: OperatorService,
-                     trainer: TrainerService | None) -> grpc.Server:
+    def _grpc_server(self, address: str, operator: OperatorService, trainer: TrainerService | None) -> None:
         """A started gRPC server on `address` with the Operator service, health, reflection and, if
         given, the Trainer service; OSError if the address will not bind."""
-        options = [("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
-                   ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-                             options=options)
+        assert self.grpc is not None
+        services: list[Registration] = [(pb_grpc.add_OperatorServicer_to_server, operator),
+                                        (health_pb2_grpc.add_HealthServicer_to_server, self.health)]
         if trainer is not None:
-            pb_grpc.add_TrainerServicer_to_server(trainer, server)
-        pb_grpc.add_OperatorServicer_to_server(operator, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            services.append((pb_grpc.add_TrainerServicer_to_server, trainer))
         served = [n for n in SERVICES if trainer is not None or n != "zen.v1.Trainer"]
-        reflection.enable_server_reflection(
-            (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name for n in served),
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
-        if port == 0:
-            raise OSError(f"cannot listen for gRPC on {address}")
-        server.start()
-        return server
+        self.grpc.serve(address, services, (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name
+                                              for n in served),
+                                            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
 
     def _set_health(self, status: Any) -> None:
         for name in ("", *SERVICES):
@@ -209,6 +199,8 @@ class Daemon:
         self.transport = create(f"{backend}://{host}:{port}", m.rank, m.world_size, cluster_id=m.cluster_id,
                                 secret=self.secret, generation=m.generation, timeout_s=s.peer_timeout_s,
                                 security=s.data_plane_security)
+        registry = self.registry
+        self.transport.admission = lambda src, tag, size: admission.judge(tag, size, registry.last_step)
         addresses = {j: parse_uri(u)[1:] for j, u in m.peers.items()}
         self.transport.connect(addresses, timeout_s=s.connect_timeout_s)
 
@@ -225,12 +217,28 @@ class Daemon:
         self._threads.append(t)
 
     def _housekeeping(self) -> None:
-        """Expire steps whose trainers never came, and sessions whose trainer never connected."""
+        """Expire steps whose trainers never came, and sessions whose trainer never connected; health
+        follows the data plane's listener."""
         while not self._stopped.wait(0.5):
+            self._follow_accept()
             self.trainer_steps.expire()
             for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
                 self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
                                    "socket", "session_expired", after_s=self.settings.claim_timeout_s)
+
+    def _follow_accept(self) -> None:
+        """NOT_SERVING while the data plane cannot accept connections (a peer that restarts could not get
+        back in), SERVING again when it can and nothing else holds health down."""
+        transport = self.transport
+        error = transport.accept_error if transport is not None else None
+        with self._health_lock:
+            if error == self._accept_error:
+                return
+            self._accept_error = error
+            if error is not None:
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            elif not self.trainer_steps.draining and self.trainer_steps.not_running() is None:
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     # ------------------------------------------------------------------ a membership that changes
     def _watch_membership(self) -> None:
@@ -313,7 +321,7 @@ class Daemon:
         self._down_since.clear()
         with self._health_lock:
             self._open_steps()
-            if not self.trainer_steps.draining:
+            if not self.trainer_steps.draining and self._accept_error is None:
                 self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.warning("membership changed", extra={"event": "membership_changed", "generation":
                                                  self.membership.generation, "nodes": self.membership.world_size})
@@ -336,15 +344,6 @@ class Daemon:
         if lost:
             return "; ".join(f"node {p.rank} lost" + (f": {p.error}" if p.error else "") for p in lost)
         return None
-
-    def wait_whole(self, timeout_s: float) -> str | None:
-        """Wait up to timeout_s for the membership to be whole; None when it is, else why not."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            why = self.not_whole()
-            if why is None or time.monotonic() >= deadline or self._stopped.is_set():
-                return why
-            time.sleep(0.05)
 
     # ------------------------------------------------------------------ what the node reports
     def readings(self) -> NodeReadings:
@@ -417,7 +416,7 @@ class Daemon:
             if self._final_drain or self._stopped.is_set():
                 raise StepError(FAILED_PRECONDITION, "the daemon is stopping (SIGTERM): it cannot be undrained")
             self.trainer_steps.draining = False
-            why = self.trainer_steps.not_running()
+            why = self.trainer_steps.not_running() or self._accept_error
             if why is None:
                 self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("undrained", extra={"event": "undrain", "serving": why is None, "reason": why or ""})
@@ -427,9 +426,8 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        stopping = [server.stop(grace=1.0) for server in (self.tcp_grpc_server, self.grpc_server) if server is not None]
-        for done in stopping:
-            done.wait(2.0)
+        if self.grpc is not None:
+            self.grpc.stop(grace_s=1.0)
         self.buffers.close()
         if self.transport is not None:
             self.transport.close()

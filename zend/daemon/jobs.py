@@ -101,16 +101,19 @@ MAX_LOCAL_WORLD_SIZE = 1024  # trainers of one job on one node: far above any ma
 
 
 class JobRegistry:
-    def __init__(self, secret: bytes, max_tensors_per_job: int = 4096, max_tensor_bytes: int = 16 << 30):
+    def __init__(self, secret: bytes, max_tensors_per_job: int = 4096, max_tensor_bytes: int = 16 << 30,
+                 max_sessions_per_job: int = MAX_LOCAL_WORLD_SIZE):
         self._secret = secret
         self.max_tensors_per_job, self.max_tensor_bytes = max_tensors_per_job, max_tensor_bytes
+        self.max_sessions_per_job = max_sessions_per_job
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
         self.tensors: dict[tuple[str, int], TensorState] = {}
+        self._by_job_key: dict[tuple[str, int], TensorState] = {}  # (job_key, tensor id): how tags name them
 
     def check_token(self, job: str, token: str) -> None:
         if not job or len(job) > MAX_JOB_ID or not job.isprintable():
-            raise StepError(INVALID_ARGUMENT, f"job id {job[:40]!r} must be 1 to {MAX_JOB_ID} printable characters")
+            raise StepError(INVALID_ARGUMENT, f"job_id {job[:40]!r} must be 1 to {MAX_JOB_ID} printable characters")
         if not hmac.compare_digest(job_token(self._secret, job), token):
             raise StepError(UNAUTHENTICATED, f"the token given is not job {job!r}'s token")
 
@@ -120,6 +123,11 @@ class JobRegistry:
                                               f"[1, {MAX_LOCAL_WORLD_SIZE}]")
         if not 0 <= local_rank < local_world_size:
             raise StepError(INVALID_ARGUMENT, f"local_rank {local_rank} outside local_world_size {local_world_size}")
+        # a job's sessions hold distinct local ranks below its local_world_size: bounding it bounds them
+        if local_world_size > self.max_sessions_per_job:
+            raise StepError(RESOURCE_EXHAUSTED, f"job {job!r} asks for local_world_size {local_world_size} trainers "
+                                                f"on this node, over its quota of {self.max_sessions_per_job} "
+                                                "sessions (max_sessions_per_job)")
         with self._lock:
             for s in self.sessions.values():
                 if s.job != job:
@@ -219,6 +227,7 @@ class JobRegistry:
                                                         "is refused (fuse small tensors: Client.allreduce_many)")
                 state = TensorState(spec, tid, session.local_world_size, make_scheme())
                 self.tensors[(spec.job, tid)] = state
+                self._by_job_key[(job_key(spec.job), tid)] = state
                 return state
         if state.spec.name != spec.name:
             raise StepError(FAILED_PRECONDITION, f"tensor {spec.name!r} collides with {state.spec.name!r} "
@@ -227,6 +236,15 @@ class JobRegistry:
             raise StepError(INVALID_ARGUMENT, f"tensor {spec.name!r} of job {spec.job!r} is already registered as "
                                               f"{state.spec.describe()}, not {spec.describe()}")
         return state
+
+    def last_step(self, key: str, tid: int) -> int | None:
+        """The last step this node completed of tensor `tid` of the job whose job_key is `key` (-1: none
+        yet); None if no trainer here registered it. Asked for every data frame (admission.py): one
+        dict read, no lock (a registration racing with it reads as not registered yet)."""
+        state = self._by_job_key.get((key, tid))
+        if state is None:
+            return None
+        return state.stats.last_step if state.stats.steps else -1
 
     def tensor(self, job: str, tid: int) -> TensorState:
         state = self.tensors.get((job, tid))

@@ -24,6 +24,7 @@ from zend.daemon.status import NodeStatus
 from zend.protocol.enums import DTYPE_TO_PROTO, LAYOUT_TO_PROTO
 
 log = logging.getLogger("zend.service")
+MAX_STATUS_ROWS = 1000  # sessions and tensors listed per reply (counts are whole): the reply stays far below 4 MiB
 HOW = "metadata 'authorization: Bearer <operator token>' (`zend token --operator`, from the cluster secret)"
 
 
@@ -92,10 +93,10 @@ def status_reply(s: NodeStatus, full: bool = True) -> Any:
         return reply
     for p in s.peers:
         reply.peers.add(rank=p.rank, address=p.address, connected=p.connected, error=p.error)
-    for session in s.sessions:
+    for session in s.sessions[:MAX_STATUS_ROWS]:
         reply.sessions.add(session_id=session.session_id, job_id=session.job, local_rank=session.local_rank,
                            pid=session.pid, buffer_bytes=session.buffer_bytes)
-    for t in s.tensors:
+    for t in s.tensors[:MAX_STATUS_ROWS]:
         st = t.stats
         reply.tensors.add(job_id=t.job, name=t.name, tensor_id=t.tensor_id, shape=list(t.shape),
                           dtype=DTYPE_TO_PROTO[t.dtype_name], layout=LAYOUT_TO_PROTO[t.layout], scheme=t.scheme,

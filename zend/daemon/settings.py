@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -41,11 +41,17 @@ class Settings:
     socket_dir: str = paths.DEFAULT_SOCKET_DIR  # zend.sock (gRPC) and buffers.sock live here
     grpc_listen: str = ""                # optional TCP address for operators and probes, e.g. 0.0.0.0:7070
     grpc_listen_trainers: int = 0        # 1: the Trainer service on grpc_listen too (job tokens in clear)
-    grpc_workers: int = 64               # handler threads: one per trainer call in flight
+    grpc_workers: int = 64               # handler threads for short calls (a waiting Submit holds none)
     threads: int = 0                     # torch threads for the daemon's tensor work (0: a quarter of the cores)
     max_session_bytes: int = 16 << 30    # shared buffers one trainer may hold
     max_pool_bytes: int = 64 << 30       # shared buffers all trainers may hold
     max_tensors_per_job: int = 4096      # tensors one job may register on this node
+    max_job_buffer_bytes: int = 0        # shared buffers one job may hold (0: half of max_pool_bytes)
+    max_sessions_per_job: int = 1024     # trainer sessions one job may open on this node
+    max_submits_in_flight_per_job: int = 1024  # steps one job's trainers may have waiting in the daemon at once
+    max_buffer_connections: int = 1024   # connections to buffers.sock at once (a thread each); beyond: refused
+    max_buffer_connections_per_pid: int = 64  # of them from one trainer process (pid 0, unknown: not counted)
+    buffer_hello_timeout_s: float = 5.0  # a buffers.sock connection that has not said hello by then is closed
     # the scheme
     scheme: str = "auto"
     hash_seed: int = 0
@@ -71,6 +77,11 @@ class Settings:
     @property
     def buffer_socket(self) -> str:
         return paths.buffer_socket(self.socket_dir)
+
+    @property
+    def job_buffer_bytes(self) -> int:
+        """The buffer bytes one job may hold: max_job_buffer_bytes, or half the pool (one job never takes it all)."""
+        return self.max_job_buffer_bytes or max(1, self.max_pool_bytes // 2)
 
     @property
     def data_uri(self) -> str:
@@ -151,6 +162,20 @@ def _from_environment(values: dict[str, Any], sources: dict[str, str], env: Mapp
     sources.update(rendezvous="the environment", rank="the environment", world_size="the environment")
 
 
+def _check_quotas(s: Settings, bad: Callable[[str, str], SettingsError]) -> None:
+    """The per-job quotas and the buffer socket's bounds fit the node-wide ones."""
+    from zend.daemon.jobs import MAX_LOCAL_WORLD_SIZE
+
+    if not 0 <= s.max_job_buffer_bytes <= s.max_pool_bytes:
+        raise bad("max_job_buffer_bytes", f"must be 0 (half of max_pool_bytes) or in [1, {s.max_pool_bytes}] "
+                                          "(max_pool_bytes)")
+    if s.max_sessions_per_job > MAX_LOCAL_WORLD_SIZE:
+        raise bad("max_sessions_per_job", f"must be at most {MAX_LOCAL_WORLD_SIZE} (trainers of one job on a node)")
+    if s.max_buffer_connections_per_pid > s.max_buffer_connections:
+        raise bad("max_buffer_connections_per_pid", f"must be at most max_buffer_connections "
+                                                    f"({s.max_buffer_connections})")
+
+
 def validate(s: Settings) -> None:
     from zend.core.schemes import SCHEMES  # imports torch: here, not when `zend --help` builds the parser
 
@@ -188,7 +213,8 @@ def validate(s: Settings) -> None:
         raise bad("data_plane_security", "must be aead or none")
     if s.scheme not in SCHEMES:
         raise bad("scheme", f"must be one of {', '.join(SCHEMES)}")
-    for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s", "claim_timeout_s"):
+    for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s", "claim_timeout_s",
+                 "buffer_hello_timeout_s"):
         if getattr(s, name) <= 0:
             raise bad(name, "must be positive")
     if s.peer_timeout_s < 0.2:
@@ -196,9 +222,11 @@ def validate(s: Settings) -> None:
     if s.threads < 0:
         raise bad("threads", "must be 0 (a quarter of the cores) or more")
     for name in ("grpc_workers", "max_session_bytes", "max_pool_bytes", "max_tensors_per_job", "min_slice_width",
-                 "reprofile_every"):
+                 "reprofile_every", "max_sessions_per_job", "max_submits_in_flight_per_job", "max_buffer_connections",
+                 "max_buffer_connections_per_pid"):
         if getattr(s, name) < 1:
             raise bad(name, "must be at least 1")
+    _check_quotas(s, bad)
     if not 0 <= s.metrics_port < 65536:
         raise bad("metrics_port", "must be a port number (0 turns metrics off)")
     if s.log_format not in ("json", "text"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ class Step:
     result: Any = None
     error: StepError | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: list[Callable[[], None]] = field(default_factory=list)  # called once it is done (StepTable.when_done)
 
     def missing(self) -> list[int]:
         return sorted(set(range(self.expected)) - set(self.parts))
@@ -101,6 +103,17 @@ class StepTable:
             if step.generation == self.generation:  # one that outlived its generation leaves nothing
                 self._remember(step, error)
             step.done.set()
+            callbacks, step.on_done = step.on_done, []
+        for callback in callbacks:
+            callback()
+
+    def when_done(self, step: Step, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the finishing thread; it must be quick) once `step` is done: now if it is."""
+        with self._lock:
+            if not step.done.is_set():
+                step.on_done.append(callback)
+                return
+        callback()
 
     def _remember(self, step: Step, error: StepError | None) -> None:
         """(under _lock) A success is kept for repeats and ends the tensor's attempt counts; a failure

@@ -1,12 +1,17 @@
 """The Trainer gRPC service: sessions, tensors and steps, as the node's trainers ask for them.
 
 Only metadata crosses here; gradient bytes stay in shared buffers. Every call presents the
-job's token; a session only reaches its own job's tensors.
+job's token; a session only reaches its own job's tensors. The server is grpc.aio (grpc_server.py):
+the short calls run on its handler threads, while Submit and Ready are coroutines that wait on
+the event loop, so that no number of waiting steps can take the threads another job, or a
+health probe, needs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +31,8 @@ from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
 from zend.protocol.layout import TensorSpec
 from zend.protocol.version import daemon_version
 
-MAX_READY_WAIT_S = 30.0  # one Ready call holds a gRPC worker at most this long; clients call again
+MAX_READY_WAIT_S = 30.0  # one Ready call waits at most this long; clients call again
+READY_POLL_S = 0.05
 log = logging.getLogger("zend.service")
 
 
@@ -47,19 +53,19 @@ class TrainerService(pb_grpc.TrainerServicer):
         end_session: what the daemon does when a trainer closes its session.
         step_timeout_s: how long a Submit without a deadline waits.
         count_error: counts each error status answered.
-        wait_whole: waits up to a timeout for the node's membership to be whole; None, or why not.
+        not_whole: why the node's membership is not whole now (None when it is); quick, it is polled.
         job_step: the step a job was at when the current generation formed (0 if unknown).
     """
 
     def __init__(self, registry: JobRegistry, trainer_steps: TrainerSteps, membership: Callable[[], Membership],
                  buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
                  step_timeout_s: float, count_error: Callable[[str], None],
-                 wait_whole: Callable[[float], str | None] = lambda timeout_s: None,
+                 not_whole: Callable[[], str | None] = lambda: None,
                  job_step: Callable[[str], int] = lambda job: 0):
         self.registry, self.trainer_steps, self.membership = registry, trainer_steps, membership
         self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
-        self.wait_whole, self.job_step = wait_whole, job_step
+        self.not_whole, self.job_step = not_whole, job_step
 
     def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
         """The open session, if the caller holds its job's token (an unknown session is NOT_FOUND first)."""
@@ -103,24 +109,41 @@ class TrainerService(pb_grpc.TrainerServicer):
                                       max_result_bytes=spec.max_bytes)
 
     @maps_errors
-    def Submit(self, request: Any, context: grpc.ServicerContext) -> Any:
+    async def Submit(self, request: Any, context: Any) -> Any:
+        """Checked and filed on a handler thread; waited for on the event loop (no thread held), the
+        step itself run on a thread of its own; delivered on a handler thread."""
         s = self._session(context, request.session_id)
         left = context.time_remaining()
         wait_s = self.step_timeout_s if left is None else max(0.0, left - 0.05)  # answer before the deadline
-        out = self.trainer_steps.submit(s, request.tensor_id, request.step,
-                                        (request.input.buffer_id, request.input.offset), request.nnz,
-                                        (request.result.buffer_id, request.result.offset), wait_s)
+        steps, loop = self.trainer_steps, asyncio.get_running_loop()
+        admitting = loop.run_in_executor(None, steps.admit, s, request.tensor_id, request.step,
+                                         (request.input.buffer_id, request.input.offset), request.nnz,
+                                         (request.result.buffer_id, request.result.offset))
+        try:
+            ticket = await asyncio.shield(admitting)
+        except asyncio.CancelledError:  # the caller went away: the part may still be filed, release it then
+            admitting.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else steps.release(f.result()))
+            raise
+        try:
+            steps.run_elsewhere(ticket)
+            await steps.wait_async(ticket, wait_s)
+            out = await loop.run_in_executor(None, steps.deliver, ticket)
+        finally:
+            steps.release(ticket)
         return pb.SubmitReply(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
                               bytes_received=out.bytes_received, dense_bytes=out.dense_bytes,
                               phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()],
                               generation=out.generation, node_count=out.nodes)
 
     @maps_errors
-    def Ready(self, request: Any, context: grpc.ServicerContext) -> Any:
+    async def Ready(self, request: Any, context: Any) -> Any:
         s = self._session(context, request.session_id)
         left = context.time_remaining()
         timeout_s = min(max(0.0, request.timeout_seconds), MAX_READY_WAIT_S, left - 0.05 if left else MAX_READY_WAIT_S)
-        why = self.wait_whole(max(0.0, timeout_s))
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while (why := self.not_whole()) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(READY_POLL_S)
         m = self.membership()
         return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "",
                              job_step=self.job_step(s.job))

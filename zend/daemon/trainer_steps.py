@@ -5,14 +5,22 @@ from the trainer's shared buffer (zero copy, every value checked), files it in t
 and waits. The last local trainer to arrive runs the node's step (NodeSteps) on its own handler
 thread; each waiting trainer then copies the result into its own result buffer. Steps whose
 trainers never come, or whose trainer left, fail here with a status every waiter receives.
+
+The same in pieces for the gRPC Submit, which must not hold a handler thread while it waits:
+`admit` (checks, files), `run_elsewhere` (the step on a thread of its own), `wait_async` (on the
+event loop), `deliver`, and `release` always. A job has at most `max_submits_in_flight_per_job`
+submissions in here at once, either way; more are RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,13 +47,35 @@ BufferLookup = Callable[[str, str], Buffer]  # (session id, buffer id) -> buffer
 BufferRef = tuple[str, int]  # (buffer id, byte offset)
 
 
+@dataclass
+class Admitted:
+    """A trainer's submission filed with its step (`TrainerSteps.admit`); `release` it once answered."""
+
+    session: Session
+    state: TensorState
+    step: Step
+    out: Buffer
+    result_ref: BufferRef
+    submitted: float
+    node: NodeSteps | None  # this trainer was the last to arrive: run the step (`run`) on this node
+    released: bool = False
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():  # not given up (timed out, cancelled) meanwhile
+        done.set_result(None)
+
+
 class TrainerSteps:
     """The node's steps as its trainers see them. Refuses steps until `open` gives it the node's
     step runner (the daemon is still joining its cluster) and after `draining` is set."""
 
-    def __init__(self, registry: JobRegistry, buffers: BufferLookup, metrics: DaemonMetrics, step_timeout_s: float):
+    def __init__(self, registry: JobRegistry, buffers: BufferLookup, metrics: DaemonMetrics, step_timeout_s: float,
+                 max_submits_in_flight_per_job: int = 1024):
         self.registry, self.buffers, self.metrics = registry, buffers, metrics
         self.step_timeout_s = step_timeout_s
+        self.max_submits_in_flight_per_job = max_submits_in_flight_per_job
+        self._in_flight_by_job: dict[str, int] = {}  # job -> its submissions admitted and not yet released
         self.table = StepTable()
         self.draining = False
         self._node: NodeSteps | None = None
@@ -107,23 +137,82 @@ class TrainerSteps:
     # ------------------------------------------------------------------ a trainer's submission
     def submit(self, session: Session, tid: int, step_no: int, input_ref: BufferRef, nnz: int, result_ref: BufferRef,
                wait_s: float) -> StepOutcome:
-        """Sum this trainer's part with every other trainer's; the outcome once it is in `result_ref`."""
+        """Sum this trainer's part with every other trainer's; the outcome once it is in `result_ref`.
+        Waits on the calling thread (a buffers.sock connection's own)."""
+        ticket = self.admit(session, tid, step_no, input_ref, nnz, result_ref)
+        try:
+            self.run(ticket)
+            self._wait(ticket.step, ticket.state.spec, wait_s)
+            self._done_waiting(ticket)
+            return self.deliver(ticket)
+        finally:
+            self.release(ticket)
+
+    def admit(self, session: Session, tid: int, step_no: int, input_ref: BufferRef, nnz: int,
+              result_ref: BufferRef) -> Admitted:
+        """Check the submission and file its part: quick, never waits. The caller must `release` it."""
         submitted = time.perf_counter()
         state = self.registry.tensor(session.job, tid)
         buf = self._input_buffer(session, state.spec, input_ref, nnz)
         out = self._buffer(session, result_ref[0], "result")
-        step = self._join(session, state, step_no, self._read(state.spec, buf, input_ref[1], nnz))
-        try:
-            self._wait(step, state.spec, wait_s)
-        finally:
-            with self._lock:  # done, or given up by this trainer: its next step may come
-                self._open_by_session.pop((session.session_id, tid), None)
+        step, node = self._join(session, state, step_no, self._read(state.spec, buf, input_ref[1], nnz))
+        return Admitted(session, state, step, out, result_ref, submitted, node)
+
+    def run(self, ticket: Admitted) -> None:
+        """Run the node's step here if this submission completed it (else nothing)."""
+        node, ticket.node = ticket.node, None
+        if node is not None:
+            self._run(node, ticket.state, ticket.step)
+
+    def run_elsewhere(self, ticket: Admitted) -> None:
+        """`run` on a thread of its own: the step may wait for other nodes for as long as the step timeout."""
+        if ticket.node is not None:
+            threading.Thread(target=self.run, args=(ticket,), name="zend-step", daemon=True).start()
+
+    async def wait_async(self, ticket: Admitted, wait_s: float) -> None:
+        """`_wait` on the event loop: no thread is held while the step is summed elsewhere."""
+        step, limit = ticket.step, self._limit(wait_s)
+        if not step.done.is_set():
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = loop.create_future()
+
+            def wake() -> None:  # on the thread that finished the step
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is stopping
+                    loop.call_soon_threadsafe(_resolve, done)
+            self.table.when_done(step, wake)
+            try:
+                await asyncio.wait_for(done, limit)
+            except TimeoutError:
+                raise self._late(step, ticket.state.spec, limit) from None
+        self._done_waiting(ticket)
+
+    def deliver(self, ticket: Admitted) -> StepOutcome:
+        """After the wait: the step's error, or its outcome written into the trainer's result buffer."""
+        step = ticket.step
         if step.error is not None:
             raise step.error
         outcome: StepOutcome = step.result
-        self._deliver(state.spec, outcome, out, result_ref)
-        self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - submitted)
+        self._deliver(ticket.state.spec, outcome, ticket.out, ticket.result_ref)
+        self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
         return outcome
+
+    def _done_waiting(self, ticket: Admitted) -> None:
+        with self._lock:  # done (or given up by this trainer, in `release`): its next step may come
+            self._open_by_session.pop((ticket.session.session_id, ticket.state.tensor_id), None)
+
+    def release(self, ticket: Admitted) -> None:
+        """The submission is answered (or given up): it no longer counts towards its job's quota. Idempotent."""
+        with self._lock:
+            if ticket.released:
+                return
+            ticket.released = True
+            self._open_by_session.pop((ticket.session.session_id, ticket.state.tensor_id), None)
+            job = ticket.session.job
+            left = self._in_flight_by_job.get(job, 0) - 1
+            if left > 0:
+                self._in_flight_by_job[job] = left
+            else:
+                self._in_flight_by_job.pop(job, None)
 
     def _buffer(self, session: Session, buffer_id: str, what: str) -> Buffer:
         try:
@@ -149,8 +238,9 @@ class TrainerSteps:
         except (SparseGradError, ValueError) as exc:
             raise StepError(codes.INVALID_ARGUMENT, str(exc)) from None
 
-    def _join(self, session: Session, state: TensorState, step_no: int, part: SparseGrad) -> Step:
-        """File the part; the last local trainer to arrive runs the step here, on its own thread."""
+    def _join(self, session: Session, state: TensorState, step_no: int, part: SparseGrad) -> tuple[Step,
+                                                                                                   NodeSteps | None]:
+        """File the part; returns the step, and the node to run it on if this trainer was the last to arrive."""
         key = StepKey(session.job, state.tensor_id, step_no)
         with self._lock:
             self.check_accepting("steps")
@@ -158,11 +248,19 @@ class TrainerSteps:
             if waiting is not None and waiting != step_no:
                 raise StepError(codes.FAILED_PRECONDITION, f"step {waiting} of tensor {state.spec.name!r} is still "
                                                            f"in flight for this trainer; submit {step_no} after it")
+            held = self._in_flight_by_job.get(session.job, 0)
+            if held >= self.max_submits_in_flight_per_job:
+                raise StepError(codes.RESOURCE_EXHAUSTED, f"job {session.job!r} has {held} steps waiting in the "
+                                                          f"daemon on this node, its quota "
+                                                          f"(max_submits_in_flight_per_job "
+                                                          f"{self.max_submits_in_flight_per_job}); step {step_no} of "
+                                                          f"tensor {state.spec.name!r} is refused")
             node = self._node
             assert node is not None  # check_accepting refused the step otherwise
             step, start = self.table.join(key, session.local_rank, session.session_id, part,
                                           state.local_world_size)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
+            self._in_flight_by_job[session.job] = held + 1
             vacant = None if start or step.done.is_set() else self._vacancy(session.job)
             err = None
             if vacant is not None:  # a trainer of this step left and nobody took its place: it cannot start
@@ -170,9 +268,7 @@ class TrainerSteps:
                 self.table.finish(step, error=err)  # under _lock: no other trainer can start it meanwhile
         if err is not None:
             self._abort_everywhere(step, err)
-        elif start:
-            self._run(node, state, step)
-        return step
+        return step, (node if start else None)
 
     def _vacancy(self, job: str) -> str | None:
         """(under _lock) Why a local rank of `job` is empty: its trainer left and no session holds it."""
@@ -187,14 +283,21 @@ class TrainerSteps:
                 return why
         return None
 
-    def _wait(self, step: Step, spec: TensorSpec, wait_s: float) -> None:
+    def _limit(self, wait_s: float) -> float:
         # past the step timeout: the step's own failure (the same on every node) comes first
-        limit = min(wait_s, self.step_timeout_s + 2.0)
+        return min(wait_s, self.step_timeout_s + 2.0)
+
+    def _wait(self, step: Step, spec: TensorSpec, wait_s: float) -> None:
+        limit = self._limit(wait_s)
         if not step.done.wait(limit):
-            missing = step.missing()
-            who = f"local trainers {missing} have not submitted it" if missing else "the nodes are still summing it"
-            raise StepError(codes.DEADLINE_EXCEEDED, f"step {step.key.step} of tensor {spec.name!r} not done in "
-                                                     f"{limit:.3g} s: {who}")
+            raise self._late(step, spec, limit)
+
+    @staticmethod
+    def _late(step: Step, spec: TensorSpec, limit: float) -> StepError:
+        missing = step.missing()
+        who = f"local trainers {missing} have not submitted it" if missing else "the nodes are still summing it"
+        return StepError(codes.DEADLINE_EXCEEDED, f"step {step.key.step} of tensor {spec.name!r} not done in "
+                                                  f"{limit:.3g} s: {who}")
 
     def _deliver(self, spec: TensorSpec, outcome: StepOutcome, out: Buffer, ref: BufferRef) -> None:
         t0 = time.perf_counter()
@@ -212,7 +315,12 @@ class TrainerSteps:
         try:
             outcome = node.run(state, key, [step.parts[r] for r in sorted(step.parts)],
                                      waited_s=time.monotonic() - step.opened_at, attempt=step.attempt)
-        except StepError as err:  # every waiting trainer gets it
+        except Exception as exc:  # every waiting trainer gets it
+            err = exc if isinstance(exc, StepError) else StepError(
+                codes.INTERNAL, f"step {key.step} of tensor {state.spec.name!r}: internal error "
+                                f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, StepError):
+                log.exception("step %s of tensor %r failed", key.step, state.spec.name)
             self.metrics.count_error(err.code)
             log.warning("step failed", extra={"event": "step_failed", "job": key.job, "tensor": state.spec.name,
                                               "step": key.step, "code": err.code, "error": err.message})

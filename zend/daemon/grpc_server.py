@@ -1,0 +1,116 @@
+"""The daemon's gRPC servers: grpc.aio on one event loop thread, a bounded pool for the short calls.
+
+A synchronous gRPC server runs every call on a thread of one pool, so calls that wait (a Submit
+until the node's step is summed, a Ready until the membership is whole) held a thread each for
+as long: 64 of them from one job took every thread, and health probes and other jobs' calls
+timed out behind them. Here the calls that wait are coroutines on the event loop and hold no
+thread; plain handlers (OpenSession, RegisterTensor, the Operator service) run on the pool
+(`workers` threads); health is answered on the loop itself, so it never waits for the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+Registration = tuple[Callable[[Any, Any], None], Any]  # (add_XServicer_to_server, servicer)
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 answered on the event loop (never behind busy handler threads); `set` from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: dict[str, int] = {}
+        self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    def set(self, service: str, status: int) -> None:
+        with self._lock:
+            self._status[service] = status
+            watchers, self._watchers = self._watchers, set()
+        for loop, changed in watchers:
+            with contextlib.suppress(RuntimeError):  # a loop already closed: nobody watches there
+                loop.call_soon_threadsafe(_resolve, changed)
+
+    def get(self, service: str) -> int | None:
+        with self._lock:
+            return self._status.get(service)
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        status = self.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        loop, last = asyncio.get_running_loop(), None
+        while True:
+            changed: asyncio.Future[None] = loop.create_future()
+            entry = (loop, changed)
+            with self._lock:
+                status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                self._watchers.add(entry)
+            try:
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                await changed
+            finally:
+                with self._lock:
+                    self._watchers.discard(entry)
+
+
+def _resolve(changed: asyncio.Future[None]) -> None:
+    if not changed.done():
+        changed.set_result(None)
+
+
+class GrpcServers:
+    """gRPC servers on one event loop (a thread of its own) sharing one pool of `workers` handler threads,
+    which is also the loop's default executor (what coroutine handlers hand their short work to)."""
+
+    def __init__(self, workers: int, options: Sequence[tuple[str, Any]] = ()):
+        self.options = list(options)
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc")
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(self.pool)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
+        self._thread.start()
+        self.servers: list[grpc.aio.Server] = []
+
+    def serve(self, address: str, services: Sequence[Registration], reflected: Sequence[str]) -> None:
+        """A started server on `address` with `services` and reflection of the `reflected` service names;
+        OSError if the address will not bind."""
+        async def start() -> grpc.aio.Server:
+            server = grpc.aio.server(migration_thread_pool=self.pool, options=self.options)
+            for add, servicer in services:
+                add(servicer, server)
+            reflection.enable_server_reflection((*reflected, reflection.SERVICE_NAME), server)
+            try:
+                port = server.add_insecure_port(address)
+            except RuntimeError as exc:
+                raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+            if port == 0:
+                raise OSError(f"cannot listen for gRPC on {address}")
+            await server.start()
+            return server
+        self.servers.append(asyncio.run_coroutine_threadsafe(start(), self.loop).result(30.0))
+
+    def stop(self, grace_s: float) -> None:
+        """Stop every server (calls in flight get `grace_s` to finish), then the loop and the pool."""
+        async def stop_all() -> None:
+            await asyncio.gather(*(server.stop(grace_s) for server in self.servers), return_exceptions=True)
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(stop_all(), self.loop).result(grace_s + 2.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(2.0)
+        self.pool.shutdown(wait=False, cancel_futures=True)
