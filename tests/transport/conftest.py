@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,19 @@ class RankProcesses:
 
     def start(self, rank: int, world_size: int, host: str = "127.0.0.1", **options: Any) -> Rank:
         return self.ready(rank, self.launch(rank, world_size, host=host, **options), host)
+
+    def let_in(self, good: Rank, seed: int, connect_timeout_s: float = 20, **options: Any) -> float:
+        """Rank 1 dials `good` (rank 0 of 2, after whatever a test did to it) and a message crosses
+        intact; returns the seconds from rank 1's start to its link."""
+        linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=30)
+        started = time.monotonic()
+        right = self.start(1, 2, **options)
+        right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=connect_timeout_s)
+        good.wait(linking)
+        took = time.monotonic() - started
+        right.call("send", dst=0, tag="in", seeds=[seed], size=64)
+        assert good.call("recv", src=1, tag="in", seeds=[seed], size=64)["intact"] == [True]
+        return took
 
     def mesh(self, n: int, connect: bool = True, cluster: EmulatedCluster | None = None, **options: Any) -> list[Rank]:
         """n rank processes (started side by side), connected to each other unless connect=False."""

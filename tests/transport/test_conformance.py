@@ -94,12 +94,7 @@ def _refused(processes: RankProcesses, field: str, **override) -> Rank:  # type:
 
 def test_wrong_secret_is_refused_and_the_right_one_still_gets_in(processes):
     good = _refused(processes, "authentication failed", secret=b"another-secret-0123456789")
-    linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=20)
-    right = processes.start(1, 2)
-    right.call("connect", peers={"0": list(good.address), "1": list(right.address)})
-    good.wait(linking)
-    right.call("send", dst=0, tag="in", seeds=[3], size=64)
-    assert good.call("recv", src=1, tag="in", seeds=[3], size=64)["intact"] == [True]
+    processes.let_in(good, seed=3)
 
 
 def test_version_mismatch_is_refused_naming_the_field(processes):
@@ -262,12 +257,7 @@ def test_hostile_hellos_are_refused_and_the_listener_keeps_letting_peers_in(proc
             with contextlib.suppress(OSError):
                 reply = s.recv(4096)
                 assert b"challenge" not in reply, name
-    linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=20)
-    right = processes.start(1, 2)
-    right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=10)
-    good.wait(linking)
-    right.call("send", dst=0, tag="in", seeds=[5], size=64)
-    assert good.call("recv", src=1, tag="in", seeds=[5], size=64)["intact"] == [True]
+    processes.let_in(good, seed=5, connect_timeout_s=10)
 
 
 def test_idle_and_trickling_clients_do_not_keep_a_peer_out(processes, scheme):
@@ -278,14 +268,8 @@ def test_idle_and_trickling_clients_do_not_keep_a_peer_out(processes, scheme):
     trickler = socket.create_connection(good.address, timeout=5)
     try:
         trickler.sendall(b"\x10")  # a length prefix, one byte at a time
-        linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=30)
-        started = time.monotonic()
-        right = processes.start(1, 2, timeout_s=2)
-        right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=20)
-        good.wait(linking)
-        assert time.monotonic() - started < 15, "the peer got in only after the junk timed out"
-        right.call("send", dst=0, tag="in", seeds=[6], size=64)
-        assert good.call("recv", src=1, tag="in", seeds=[6], size=64)["intact"] == [True]
+        took = processes.let_in(good, seed=6, timeout_s=2)
+        assert took < 15, "the peer got in only after the junk timed out"
         time.sleep(2.5)  # past the handshake deadline: the idle ones were cut
         trickler.settimeout(5)
         with contextlib.suppress(OSError):
