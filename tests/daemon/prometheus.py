@@ -49,7 +49,8 @@ class PrometheusServer:
     prometheus.yml, the TSDB (data/) and the log (prometheus.log) go into `workdir`.
     """
 
-    def __init__(self, targets: Sequence[str], workdir: Path, scrape_interval_s: float = 1.0, job: str = "zend"):
+    def __init__(self, targets: Sequence[str], workdir: Path, scrape_interval_s: float = 1.0, job: str = "zend",
+                 bearer_token: str | None = None):
         if isinstance(targets, str) or not targets:
             raise ValueError(f"targets={targets!r} must be a non-empty list of 'host:port'")
         for target in targets:
@@ -62,6 +63,7 @@ class PrometheusServer:
         self.workdir = Path(workdir)
         self.scrape_interval_s = scrape_interval_s
         self.job = job
+        self.bearer_token = bearer_token  # scrapes present it (zend's operator token: names in the labels)
         self.config_path = self.workdir / "prometheus.yml"
         self.log_path = self.workdir / "prometheus.log"
         self.data_path = self.workdir / "data"
@@ -79,6 +81,8 @@ class PrometheusServer:
                        "scrape_timeout": _duration(min(self.scrape_interval_s, 10.0))},
             "scrape_configs": [{"job_name": self.job, "static_configs": [{"targets": self.targets}]}],
         }
+        if self.bearer_token is not None:
+            config["scrape_configs"][0]["authorization"] = {"type": "Bearer", "credentials": self.bearer_token}
         return "# written by tests/daemon/prometheus.py (JSON is YAML)\n" + json.dumps(config, indent=2) + "\n"
 
     @property

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
 from tests.daemon.test_daemon import random_grad
+from zend.daemon.jobs import job_key, tensor_id
 from zend.protocol.session import TrainerSession
 
 pytestmark = pytest.mark.skipif(prometheus_binary() is None,
@@ -61,7 +62,7 @@ def test_prometheus_scrapes_every_key_series(fresh_cluster, tmp_path):
 
     assert all(r is None for r in run_all([lambda n=n: trainer(n) for n in range(2)]))
     targets = [f"127.0.0.1:{p}" for p in c.metrics_ports]
-    with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5) as prom:
+    with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5, bearer_token=c.operator_token()) as prom:
         for expr in KEY_SERIES:
             deadline = time.monotonic() + 30
             while True:  # until both daemons have been scraped
@@ -76,6 +77,9 @@ def test_prometheus_scrapes_every_key_series(fresh_cluster, tmp_path):
     for port in c.metrics_ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+        # no token, no names: the job's key and the tensor's id stand in for them
+        rows = {(s.labels["zen_job"], s.labels["tensor"]) for s in families["zen_tensor_input_rows"].samples}
+        assert rows == {(job_key("metrics"), str(tensor_id("metrics", "emb")))}, rows
         samples = [s for f in families.values() for s in f.samples]
         assert not any(s.name.endswith("_created") for s in samples), "no _created series"
         phases = {s.labels["phase"]: s.value for s in families["zen_sync_duration_seconds"].samples

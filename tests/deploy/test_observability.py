@@ -389,7 +389,8 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
                 link.allreduce(h, random_grad(500, 8, 10 * step + node), step)
                 time.sleep(STEP_PAUSE_S)
 
-    with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5) as prom:  # job "zend"
+    # job "zend"; Prometheus presents the operator token, as deploy/README.md says, so labels carry names
+    with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5, bearer_token=c.operator_token()) as prom:
         prom.wait_for("up == 1")
         assert all(r is None for r in run_all([lambda n=n: trainer(n) for n in range(2)]))
         names_url = f"{prom.url}/api/v1/label/__name__/values"

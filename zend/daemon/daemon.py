@@ -91,7 +91,8 @@ class Daemon:
         self.buffers.start()
         self._start_grpc()
         if s.metrics_port:
-            self.metrics.serve(s.metrics_host, s.metrics_port)  # OSError at once if the port is taken
+            # OSError at once if the port is taken; job and tensor names only for the operator token
+            self.metrics.serve(s.metrics_host, s.metrics_port, operator_token(self.secret))
         if s.data_plane_security == "none":
             log.warning("DATA PLANE IN CLEAR: --data-plane-security none; gradients between daemons can be read "
                         "and rewritten by anyone on the path", extra={"event": "security", "security": "none"})

@@ -6,20 +6,30 @@ so no thread has to keep gauges fresh. Label sets stay bounded: phases, schemes,
 and peers are small fixed sets, and per-tensor series are kept for at most `max_tensors`
 tensors (others report as "other"). The training job is labelled `zen_job`: Prometheus
 reserves `job` for the scrape job.
+
+Names are the operator's: a scrape that presents the operator token (`authorization: Bearer
+<token>`, Prometheus' `authorization` in a scrape config) sees job and tensor names; any other sees
+the same series with the job's key and the tensor's id in their place (what the data plane's tags
+carry), so dashboards still tell tensors apart and nothing names a job to a stranger.
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from zend.core.comm import Communicator
+from zend.daemon.jobs import job_key, tensor_id
 from zend.protocol.version import daemon_version
 
 if TYPE_CHECKING:
@@ -79,6 +89,36 @@ class _LevelCollector(Collector):
         for peer, up in sorted((now.peer_up if now is not None else {}).items()):
             peers.add_metric([str(peer)], 1.0 if up else 0.0)
         yield peers
+
+
+class Redacted:
+    """A registry as a scrape without the operator token sees it: every `zen_job` label is the job's
+    key and every `tensor` label the tensor's id ("other" stays "other")."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            if any("zen_job" in sample.labels for sample in family.samples):
+                family.samples = [sample._replace(labels=_opaque(sample.labels)) for sample in family.samples]
+            yield family
+
+
+def _opaque(labels: dict[str, str]) -> dict[str, str]:
+    job, tensor = labels.get("zen_job", "other"), labels.get("tensor", "other")
+    if job == "other":
+        return labels
+    return {**labels, "zen_job": job_key(job), "tensor": tensor if tensor == "other" else str(tensor_id(job, tensor))}
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not news: nothing on stderr per request."""
 
 
 class DaemonMetrics:
@@ -189,12 +229,26 @@ class DaemonMetrics:
         """`comm`, with its payload bytes counted per peer."""
         return _CountingCommunicator(comm, self)
 
-    def serve(self, host: str, port: int) -> None:
+    def serve(self, host: str, port: int, operator_token: str | None = None) -> None:
+        """The exposition on http://host:port/ (any path), on threads of its own; names only for the
+        operator token (see the module's docstring), none at all when no token is given."""
+        redacted = Redacted(self.registry)
+        expected = f"Bearer {operator_token}" if operator_token else None
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+            given = environ.get("HTTP_AUTHORIZATION", "")
+            named = expected is not None and hmac.compare_digest(given.encode(), expected.encode())
+            encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
+            body = encoder(self.registry if named else redacted)
+            start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+            return [body]
+
         try:
-            start_http_server(port, addr=host, registry=self.registry)
+            server = make_server(host, port, app, _Server, handler_class=_Quiet)
         except OSError as exc:  # name the port: "Address already in use" alone does not say which
             raise OSError(exc.errno, f"metrics port {port} on {host}: {exc.strerror} (set --metrics-port, "
                                      "0 turns metrics off)") from exc
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
 
 
 class _CountingCommunicator(Communicator):
