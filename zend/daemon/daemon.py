@@ -9,6 +9,7 @@ then membership and the data plane; health turns SERVING once every peer is conn
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
@@ -26,7 +28,7 @@ from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
-from zend.daemon.grpc_server import GrpcServers, Health, Registration
+from zend.daemon.grpc_server import GrpcServers, Registration
 from zend.daemon.jobs import JobRegistry, Session, operator_token
 from zend.daemon.membership import Membership, MembershipError, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
@@ -72,7 +74,7 @@ class Daemon:
         self._health_lock = threading.Lock()  # a health change and the state it is read from, as one
         self._final_drain = False  # the drain before stopping: no Undrain after it
         self._accept_error: str | None = None  # the data plane's listener is failing (health NOT_SERVING)
-        self.health = Health()  # answered on the gRPC event loop: never behind busy handler threads
+        self.health = health_aio.HealthServicer()  # answered on the gRPC event loop, never behind busy handlers
         self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
                                      "not started")  # start() finds the real one
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
@@ -125,11 +127,11 @@ class Daemon:
         unless --grpc-listen-trainers 1 adds the Trainer service there (job tokens in clear on the network)."""
         s = self.settings
         trainer, operator = self._services()
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if os.path.exists(s.grpc_socket):
             os.unlink(s.grpc_socket)  # the buffer server already proved no live daemon owns this folder
         self.grpc = GrpcServers(s.grpc_workers, [("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
                                                  ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)])
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         old_umask = os.umask(0o117)  # the socket is created 0660: not world-writable
         try:
             self._grpc_server(f"unix:{s.grpc_socket}", operator, trainer)
@@ -155,8 +157,16 @@ class Daemon:
                                             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
 
     def _set_health(self, status: Any) -> None:
-        for name in ("", *SERVICES):
-            self.health.set(name, status)
+        """Every service's health, set on the servers' loop (the servicer's own); nothing once they stopped."""
+        servers = self.grpc
+        if servers is None or not servers.loop.is_running():
+            return
+
+        async def set_all() -> None:
+            for name in ("", *SERVICES):
+                await self.health.set(name, status)
+
+        asyncio.run_coroutine_threadsafe(set_all(), servers.loop).result(10.0)
 
     def _open_steps(self) -> None:
         """Admit steps again, run over the current data plane (at start, and after a new generation)."""

@@ -5,7 +5,8 @@ until the node's step is summed, a Ready until the membership is whole) held a t
 as long: 64 of them from one job took every thread, and health probes and other jobs' calls
 timed out behind them. Here the calls that wait are coroutines on the event loop and hold no
 thread; plain handlers (OpenSession, RegisterTensor, the Operator service) run on the pool
-(`workers` threads); health is answered on the loop itself, so it never waits for the pool.
+(`workers` threads); health (grpc-health-checking's own aio servicer) is answered on the loop
+itself, so it never waits for the pool.
 """
 
 from __future__ import annotations
@@ -18,59 +19,9 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 Registration = tuple[Callable[[Any, Any], None], Any]  # (add_XServicer_to_server, servicer)
-
-
-class Health(health_pb2_grpc.HealthServicer):
-    """grpc.health.v1 answered on the event loop (never behind busy handler threads); `set` from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._status: dict[str, int] = {}
-        self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
-
-    def set(self, service: str, status: int) -> None:
-        with self._lock:
-            self._status[service] = status
-            watchers, self._watchers = self._watchers, set()
-        for loop, changed in watchers:
-            with contextlib.suppress(RuntimeError):  # a loop already closed: nobody watches there
-                loop.call_soon_threadsafe(_resolve, changed)
-
-    def get(self, service: str) -> int | None:
-        with self._lock:
-            return self._status.get(service)
-
-    async def Check(self, request: Any, context: Any) -> Any:
-        status = self.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(self, request: Any, context: Any) -> None:
-        loop, last = asyncio.get_running_loop(), None
-        while True:
-            changed: asyncio.Future[None] = loop.create_future()
-            entry = (loop, changed)
-            with self._lock:
-                status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                self._watchers.add(entry)
-            try:
-                if status != last:
-                    await context.write(health_pb2.HealthCheckResponse(status=status))
-                    last = status
-                await changed
-            finally:
-                with self._lock:
-                    self._watchers.discard(entry)
-
-
-def _resolve(changed: asyncio.Future[None]) -> None:
-    if not changed.done():
-        changed.set_result(None)
 
 
 class GrpcServers:
