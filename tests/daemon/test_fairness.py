@@ -120,8 +120,8 @@ def test_waiting_submits_hold_no_grpc_thread_health_and_other_jobs_go_on(fresh_c
 
         for _ in range(5):
             t0 = time.monotonic()
-            assert health_status(address, 1.0) == "SERVING"
-            assert time.monotonic() - t0 < 1.0
+            assert health_status(address, 3.0) == "SERVING"  # without its own capacity: DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 3.0
         t0 = time.monotonic()
         with TrainerSession(c.socket_dir(0), "other", c.token("other"), 0, 1, timeout_s=10) as other:
             h = other.register("emb", (100, 4))
@@ -129,7 +129,7 @@ def test_waiting_submits_hold_no_grpc_thread_health_and_other_jobs_go_on(fresh_c
             torch.testing.assert_close(other.allreduce(h, g, 0).to_dense(), g.to_dense())  # on the socket
             other.steps_on_socket = False
             torch.testing.assert_close(other.allreduce(h, g, 1).to_dense(), g.to_dense())  # by gRPC Submit
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 15.0  # not the 60 s the waiting Submits hold out for
         assert threads_of(c) <= before + 10, "a thread per waiting Submit"
 
         with pytest.raises(grpc.RpcError) as err:  # either way, the job is at its quota
@@ -206,11 +206,11 @@ def test_a_silent_connection_is_cut_at_the_hello_deadline_and_a_full_socket_spar
                     message = wire.recv_message(s)
                     break
                 except TimeoutError:
-                    assert time.monotonic() - t0 < 5, "the silent connection was not cut"
+                    assert time.monotonic() - t0 < 8, "the silent connection was not cut"
                     if trickle:
                         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # cut: its answer waits
                             s.sendall(b" ")
-            assert 0.9 < time.monotonic() - t0 < 2.5
+            assert 0.9 < time.monotonic() - t0 < 6  # the 1 s deadline, on a loaded 2-core machine
             assert message.body == {"ok": False, "error": "no hello within 1 s: connection closed"}
             s.settimeout(2)
             assert s.recv(16) == b""

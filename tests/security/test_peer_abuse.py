@@ -5,6 +5,7 @@ every node alike naming the peer, and keeps serving the honest job with exact su
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import time
@@ -117,8 +118,7 @@ def test_a_malformed_tag_from_a_peer_drops_its_link_at_once(target, tally):
         peer.close()
     tally.count("data port, a peer with the secret", "clear" if dropped else "hang")
     assert dropped
-    log = target.cluster.log_path(0).read_text(errors="replace")
-    assert "refuses" in log and "not a step's tag" in log and "rank 1" in log
+    assert _logged(target, lambda line: "refuses" in line and "not a step's tag" in line and "rank 1" in line)
 
 
 def test_junk_for_steps_no_node_runs_is_discarded_not_buffered(target, tally):
@@ -132,8 +132,8 @@ def test_junk_for_steps_no_node_runs_is_discarded_not_buffered(target, tally):
         pass  # node 1 dialled again and took its link back: node 0 closed ours, as it does a replaced link
     finally:
         peer.close()
+    assert _logged(target, lambda line: "discarded a message from rank 1" in line)
     log = target.cluster.log_path(0).read_text(errors="replace")
-    assert "discarded a message from rank 1" in log
     assert "ffffffffffff" not in "".join(line for line in log.splitlines() if "refuses" in line)  # not a refusal
     time.sleep(1.0)
     target.honest_step(tally, "data port, a peer with the secret")
@@ -142,16 +142,70 @@ def test_junk_for_steps_no_node_runs_is_discarded_not_buffered(target, tally):
 def test_a_corrupt_message_from_a_peer_fails_the_step_on_every_node_naming_the_peer(target, tally):
     """The insider pushes junk for the honest job's next step before the real node 1 does: node 0
     takes the junk, the step fails on both nodes alike, naming rank 1; the retry gets the exact sum."""
-    step = target.next_step()
-    honest = f"{job_key('honest')}/{tensor_id('honest', 'emb')}/{step}/0"
-    peer = HostilePeer(target.cluster)
-    try:
-        for phase in ("push", "pull"):
-            peer.send(DATA, f"{honest}/{phase}/0".encode(), b"\x07" * 333)
-    finally:
-        peer.close()
-    time.sleep(1.0)  # node 1 is back on its own link
-    errors = target.honest_step(tally, "data port, a peer with the secret", step=step)
+    for _ in range(3):  # the junk must be read before node 1 dials again and takes its link back
+        step = target.next_step()
+        honest = f"{job_key('honest')}/{tensor_id('honest', 'emb')}/{step}/0"
+        peer = HostilePeer(target.cluster)
+        try:
+            for phase in ("push", "pull"):
+                peer.send(DATA, f"{honest}/{phase}/0".encode(), b"\x07" * 333)
+            time.sleep(0.1)
+        finally:
+            peer.close()
+        time.sleep(1.0)  # node 1 is back on its own link
+        errors = target.honest_step(tally, "data port, a peer with the secret", step=step)
+        if errors:
+            break
     assert len(errors) == 2, errors  # the first attempt failed on both nodes, then the retry got the sum
     codes = {e.split(": ")[1] for e in errors}
     assert len(codes) == 1 and "rank 1" in errors[0] and "rank 1" in errors[1], errors
+
+
+def test_a_huge_frame_no_step_needs_drops_the_link_without_taking_memory(target, tally):
+    """A frame for a tensor nobody registered, announcing 16 GiB: refused at its tag, nothing allocated."""
+    rss_before = _rss(target.cluster.procs[0].pid)
+    peer = HostilePeer(target.cluster)
+    try:
+        peer.send(DATA, b"ffffffffffff/1/0/0/push/0", b"x" * 1000, announced=16 << 30)
+        dropped = peer.dropped_within(5.0)
+    finally:
+        peer.close()
+    tally.count("data port, a peer with the secret", "clear" if dropped else "hang")
+    assert dropped and _rss(target.cluster.procs[0].pid) < rss_before + (256 << 20)
+    assert _logged(target, lambda line: "refuses" in line and "job key ffffffffffff" in line
+                   and str(16 << 30) in line)
+    time.sleep(1.0)
+    target.honest_step(tally, "data port, a peer with the secret")
+
+
+def test_an_abort_for_a_whole_job_is_refused(target, tally):
+    """An abort voids every message under its prefix, wherever it is replayed: a peer may name one
+    attempt of one step, never a job or a tensor."""
+    peer = HostilePeer(target.cluster)
+    try:
+        body = json.dumps({"code": "ABORTED", "reason": "all of it"}).encode()
+        peer.send(ABORT, f"{job_key('honest')}/".encode(), body)
+        dropped = peer.dropped_within(5.0)
+    finally:
+        peer.close()
+    tally.count("data port, a peer with the secret", "clear" if dropped else "hang")
+    assert dropped
+    assert _logged(target, lambda line: "is not one step's attempt" in line and "'" + job_key("honest") in line)
+    time.sleep(1.0)
+    target.honest_step(tally, "data port, a peer with the secret")  # the job's steps are not void
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def _logged(target, wanted, within_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    """Whether node 0's log gets a line `wanted` accepts (a refusal is logged just after the link closes)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if any(wanted(line) for line in target.cluster.log_path(0).read_text(errors="replace").splitlines()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)

@@ -142,10 +142,10 @@ class RankProcesses:
 
     def let_in(self, good: Rank, seed: int, connect_timeout_s: float = 20, **options: Any) -> float:
         """Rank 1 dials `good` (rank 0 of 2, after whatever a test did to it) and a message crosses
-        intact; returns the seconds from rank 1's start to its link."""
+        intact; returns the seconds rank 1's connect took (its process start not counted)."""
         linking = good.start("connect", peers={"0": list(good.address), "1": ["127.0.0.1", 1]}, timeout_s=30)
-        started = time.monotonic()
         right = self.start(1, 2, **options)
+        started = time.monotonic()
         right.call("connect", peers={"0": list(good.address), "1": list(right.address)}, timeout_s=connect_timeout_s)
         good.wait(linking)
         took = time.monotonic() - started

@@ -9,8 +9,11 @@ this node knows can need:
 - a message for a step this node has completed, or for one further ahead than any trainer may
   jump, is discarded (every message of a step is taken before the step completes here; a late one of
   an aborted attempt is dropped as void before this is asked).
-Discarded messages are read and dropped, never buffered: junk cannot fill the mailboxes and stall
-the link. Pure code: the registry's answer comes in as a function.
+Discarded messages are read and dropped, never kept in a mailbox: junk cannot fill the mailboxes and
+stall the link; one too big to be read only to be dropped (link_transport.MAX_DISCARDED_BYTES, 64 MiB)
+drops the link instead. An abort (which voids every message under its prefix, here and wherever it is replayed)
+must name one attempt of one step, `job_key/tensor_id/step/attempt/`: a peer cannot void a whole
+job or tensor. Pure code: the registry's answer comes in as a function.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from zend.daemon.steps import STEP_WINDOW
+from zend.transport.frames import ABORT
 
 MAX_AGREEMENT_BYTES = 64 << 10  # a tensor's description (agreement.py): a few hundred bytes in practice
 Verdict = tuple[Literal["discard", "refuse"], str] | None  # None: take it
@@ -32,6 +36,19 @@ def _count(text: str) -> int | None:
     if not text.isdigit() or len(text) > 19:  # non-negative, below 2^63 (no sign, no spaces, no '1e9')
         return None
     return int(text)
+
+
+def judge_frame(kind: int, tag: str, size: int, last_step: LastStep) -> Verdict:
+    """What to do with a data or abort frame from a peer."""
+    return judge_abort(tag) if kind == ABORT else judge(tag, size, last_step)
+
+
+def judge_abort(prefix: str) -> Verdict:
+    """An abort's prefix must be one attempt of one step (node_steps.sync_prefix)."""
+    parts = prefix.split("/")
+    if len(parts) != 5 or parts[4] or not parts[0] or any(_count(p) is None for p in parts[1:4]):
+        return "refuse", f"abort prefix {prefix[:80]!r} is not one step's attempt (job/tensor/step/attempt/)"
+    return None
 
 
 def judge(tag: str, size: int, last_step: LastStep) -> Verdict:

@@ -211,7 +211,8 @@ class Daemon:
                                 secret=self.secret, generation=m.generation, timeout_s=s.peer_timeout_s,
                                 security=s.data_plane_security)
         registry = self.registry
-        self.transport.admission = lambda src, tag, size: admission.judge(tag, size, registry.last_step)
+        self.transport.admission = lambda src, kind, tag, size: admission.judge_frame(kind, tag, size,
+                                                                                      registry.last_step)
         addresses = {j: parse_uri(u)[1:] for j, u in m.peers.items()}
         self.transport.connect(addresses, timeout_s=s.connect_timeout_s)
 
@@ -231,11 +232,14 @@ class Daemon:
         """Expire steps whose trainers never came, and sessions whose trainer never connected; health
         follows the data plane's listener."""
         while not self._stopped.wait(0.5):
-            self._follow_accept()
-            self.trainer_steps.expire()
-            for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
-                self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
-                                   "socket", "session_expired", after_s=self.settings.claim_timeout_s)
+            try:
+                self._follow_accept()
+                self.trainer_steps.expire()
+                for s in self.registry.expire_unclaimed(self.settings.claim_timeout_s):
+                    self._session_gone(s, logging.WARNING, "session expired: its trainer never connected the buffer "
+                                       "socket", "session_expired", after_s=self.settings.claim_timeout_s)
+            except Exception:  # one bad round must not end expiry for good
+                log.exception("housekeeping")
 
     def _follow_accept(self) -> None:
         """NOT_SERVING while the data plane cannot accept connections (a peer that restarts could not get

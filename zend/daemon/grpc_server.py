@@ -48,9 +48,12 @@ class GrpcServers:
             try:
                 port = server.add_insecure_port(address)
             except RuntimeError as exc:
-                raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+                port, why = 0, f": {exc}"
+            else:
+                why = ""
             if port == 0:
-                raise OSError(f"cannot listen for gRPC on {address}")
+                await server.stop(None)
+                raise OSError(f"cannot listen for gRPC on {address}{why}")
             await server.start()
             return server
         self.servers.append(asyncio.run_coroutine_threadsafe(start(), self.loop).result(30.0))
@@ -64,4 +67,6 @@ class GrpcServers:
                 asyncio.run_coroutine_threadsafe(stop_all(), self.loop).result(grace_s + 2.0)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(2.0)
+        if not self.loop.is_running():
+            self.loop.close()  # its selector and wake-up pipe
         self.pool.shutdown(wait=False, cancel_futures=True)

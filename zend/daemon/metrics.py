@@ -107,9 +107,9 @@ class Redacted:
 
 def _opaque(labels: dict[str, str]) -> dict[str, str]:
     job, tensor = labels.get("zen_job", "other"), labels.get("tensor", "other")
-    if job == "other":
+    if (job, tensor) == ("other", "other"):  # the series past the bound (a job named "other" is redacted)
         return labels
-    return {**labels, "zen_job": job_key(job), "tensor": tensor if tensor == "other" else str(tensor_id(job, tensor))}
+    return {**labels, "zen_job": job_key(job), "tensor": str(tensor_id(job, tensor))}
 
 
 class _Server(ThreadingMixIn, WSGIServer):

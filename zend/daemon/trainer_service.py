@@ -26,7 +26,7 @@ from zend.daemon.errors import StepError
 from zend.daemon.grpc_errors import maps_errors
 from zend.daemon.jobs import JobRegistry, Session
 from zend.daemon.membership import Membership
-from zend.daemon.trainer_steps import TrainerSteps
+from zend.daemon.trainer_steps import Admitted, TrainerSteps
 from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
 from zend.protocol.layout import TensorSpec
 from zend.protocol.version import daemon_version
@@ -121,9 +121,9 @@ class TrainerService(pb_grpc.TrainerServicer):
                                          (request.result.buffer_id, request.result.offset))
         try:
             ticket = await asyncio.shield(admitting)
-        except asyncio.CancelledError:  # the caller went away: the part may still be filed, release it then
-            admitting.add_done_callback(
-                lambda f: None if f.cancelled() or f.exception() is not None else steps.release(f.result()))
+        except asyncio.CancelledError:  # the caller went away: the part may still be filed, and this
+            admitting.add_done_callback(  # trainer may be the last of the step: it runs, then is released
+                lambda f: None if f.cancelled() or f.exception() is not None else _abandon(steps, f.result()))
             raise
         try:
             steps.run_elsewhere(ticket)
@@ -140,10 +140,20 @@ class TrainerService(pb_grpc.TrainerServicer):
     async def Ready(self, request: Any, context: Any) -> Any:
         s = self._session(context, request.session_id)
         left = context.time_remaining()
-        timeout_s = min(max(0.0, request.timeout_seconds), MAX_READY_WAIT_S, left - 0.05 if left else MAX_READY_WAIT_S)
+        timeout_s = min(max(0.0, request.timeout_seconds), MAX_READY_WAIT_S,
+                        MAX_READY_WAIT_S if left is None else left - 0.05)
         deadline = time.monotonic() + max(0.0, timeout_s)
         while (why := self.not_whole()) is not None and time.monotonic() < deadline:
             await asyncio.sleep(READY_POLL_S)
         m = self.membership()
         return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "",
                              job_step=self.job_step(s.job))
+
+
+def _abandon(steps: TrainerSteps, ticket: Admitted) -> None:
+    """A submission whose caller went away while it was filed: its step still runs if this trainer was
+    the last to arrive (the other trainers and nodes wait on it), then its quota place is freed."""
+    try:
+        steps.run_elsewhere(ticket)
+    finally:
+        steps.release(ticket)

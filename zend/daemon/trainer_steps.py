@@ -166,8 +166,16 @@ class TrainerSteps:
 
     def run_elsewhere(self, ticket: Admitted) -> None:
         """`run` on a thread of its own: the step may wait for other nodes for as long as the step timeout."""
-        if ticket.node is not None:
+        if ticket.node is None:
+            return
+        try:
             threading.Thread(target=self.run, args=(ticket,), name="zend-step", daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: the step fails everywhere instead of never running
+            ticket.node = None
+            err = StepError(codes.RESOURCE_EXHAUSTED, f"step {ticket.step.key.step} of tensor "
+                                                      f"{ticket.state.spec.name!r}: no thread to run it ({exc})")
+            self.table.finish(ticket.step, error=err)
+            self._abort_everywhere(ticket.step, err)
 
     async def wait_async(self, ticket: Admitted, wait_s: float) -> None:
         """`_wait` on the event loop: no thread is held while the step is summed elsewhere."""
@@ -267,7 +275,10 @@ class TrainerSteps:
                 err = StepError(codes.ABORTED, f"step {step_no} of tensor {state.spec.name!r} aborted: {vacant}")
                 self.table.finish(step, error=err)  # under _lock: no other trainer can start it meanwhile
         if err is not None:
-            self._abort_everywhere(step, err)
+            try:
+                self._abort_everywhere(step, err)
+            except Exception:  # the step has its error already; the caller must still get its ticket
+                log.exception("aborting step %s of tensor %r everywhere", step_no, state.spec.name)
         return step, (node if start else None)
 
     def _vacancy(self, job: str) -> str | None:

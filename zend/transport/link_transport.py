@@ -55,6 +55,7 @@ LIVENESS_MIN_RATE = 1 << 20  # bytes/s
 REPLAYED_ABORTS = 256  # the most recent aborts, told again to a peer that (re)connects
 MAX_HANDSHAKES = 64  # connections being authenticated at once; a flood beyond it is closed at accept
 MAX_HANDSHAKES_PER_SOURCE = 16  # ... and from one address: one host cannot take every slot
+MAX_DISCARDED_BYTES = 64 << 20  # a message nobody needs, read only to be dropped: larger drops the link
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
@@ -149,9 +150,9 @@ class LinkTransport(Communicator):
         self._threads: list[threading.Thread] = []
         self._open_links: list[Any] = []  # every link a receiver may still be reading
         self.accept_error: str | None = None  # why peers cannot connect to us now (None: they can)
-        # the owner's judgement of a data frame from a peer, by its (source, tag, size), before its
-        # payload is kept: None takes it, ("discard", why) reads and drops it, ("refuse", why) drops the link
-        self.admission: Callable[[int, str, int], tuple[str, str] | None] | None = None
+        # the owner's judgement of a data or abort frame from a peer, by its (source, kind, tag, size),
+        # before it is kept: None takes it, ("discard", why) reads and drops it, ("refuse", why) drops the link
+        self.admission: Callable[[int, int, str, int], tuple[str, str] | None] | None = None
         self.discarded_messages = 0  # data frames the admission discarded
 
     # ------------------------------------------------------------------ backend hooks
@@ -196,7 +197,8 @@ class LinkTransport(Communicator):
 
     def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:
         """Send a payload-less control frame (heartbeat, goodbye) without waiting long; False if it
-        did not go (the link is full), in which case nothing was sealed. Raises if the link broke."""
+        did not go (the link is full), in which case nothing was sealed. Raises if the link broke, or
+        if a sealed frame may or may not have gone (the link's numbering is then unsure)."""
         self._send_on(link, cipher, "", _NOTHING, kind)
         return True
 
@@ -436,18 +438,25 @@ class LinkTransport(Communicator):
         peer.last_heard, peer.arriving = time.monotonic(), arriving
 
     def _admit(self, j: int, kind: int, tag: str, size: int) -> bool:
-        """Whether to keep a frame from rank j, judged by its tag and size (backends ask before they
-        reserve room for its payload, where the tag comes first): control frames and the void are
-        always kept (the void to be dropped as such); data frames as `admission` says. A refusal
-        raises FrameError, which drops the link."""
-        if kind != DATA or self.admission is None or self._voided(tag) is not None:
+        """Whether to keep a frame from rank j, judged by its tag and size: sealed links and ucx:// ask
+        before they reserve room for the payload (the tag comes first there); clear tcp:// reads tag
+        and payload in one call, having reserved room, and asks before delivering. Heartbeats,
+        goodbyes and messages of a voided step are always kept (the last to be dropped as such);
+        data and abort frames as `admission` says. A refusal raises FrameError, which drops the link;
+        so does a discarded message over MAX_DISCARDED_BYTES (nobody needs it, nobody holds room for it)."""
+        if kind == DATA and size > self.max_message_bytes:
+            raise FrameError(f"announced a message of {size} bytes, over the {self.max_message_bytes}-byte limit")
+        if kind not in (DATA, ABORT) or self.admission is None or (kind == DATA and self._voided(tag) is not None):
             return True
-        verdict = self.admission(j, tag, size)
+        verdict = self.admission(j, kind, tag, size)
         if verdict is None:
             return True
         action, why = verdict
         if action == "refuse":
             raise FrameError(f"sent a message this node refuses: {why}")
+        if size > MAX_DISCARDED_BYTES:
+            raise FrameError(f"sent a message this node refuses: {why}, and its {size} bytes are too many to "
+                             "read only to drop")
         with self._cond:
             self.discarded_messages += 1
             count = self.discarded_messages
@@ -464,7 +473,7 @@ class LinkTransport(Communicator):
             self._deliver(j, tag, payload)
         elif kind == GOODBYE:
             raise ConnectionError("closed by the peer")
-        elif kind == ABORT:
+        elif kind == ABORT:  # (admitted: the owner's admission saw its prefix)
             try:
                 notice = json.loads(bytes(payload.numpy()).decode())
                 code, reason = notice["code"], str(notice["reason"])[:MAX_ABORT_BYTES]

@@ -25,10 +25,11 @@ import torch
 
 from zend.transport.frames import DATA, FRAME, unpack_frame
 from zend.transport.handshake import MAX_HANDSHAKE_BYTES
-from zend.transport.link_transport import HandshakeGate, LinkTransport
+from zend.transport.link_transport import MAX_DISCARDED_BYTES, HandshakeGate, LinkTransport
 from zend.transport.sealing import CHUNK, GCM_TAG, LinkCipher
 
 SOCKET_BUFFER_BYTES = 8 << 20
+SMALL_FRAME_BYTES = 64 << 10  # a sealed payload up to this comes with its tag in one read
 _LENGTH = struct.Struct("<I")
 log = logging.getLogger("zend.transport")
 
@@ -64,16 +65,21 @@ def _recv_exactly_into(sock: socket.socket, views: list[memoryview], progress: C
         progress()
 
 
-def _recv_sealed_into(sock: socket.socket, cipher: LinkCipher, record: bytearray, out: memoryview,
-                      progress: Callable[[], None]) -> None:
-    """A sealed payload record by record, each opened into its place in `out` as it lands; the first
-    record is already in `record` (it came with the tag)."""
-    for start in range(0, len(out), CHUNK):
-        piece = out[start : start + CHUNK]
-        sealed = memoryview(record)[: len(piece) + GCM_TAG]
-        if start:
+def _recv_sealed_into(sock: socket.socket, cipher: LinkCipher, record: bytearray, out: memoryview | None,
+                      progress: Callable[[], None], size: int = 0) -> None:
+    """A sealed payload record by record, each opened into its place in `out` as it lands (`out` None:
+    `size` bytes opened into a sink and dropped); a small payload's one record is already in `record`
+    (it came with the tag)."""
+    total = len(out) if out is not None else size
+    sink = memoryview(bytearray(min(total, CHUNK))) if out is None else None
+    for start in range(0, total, CHUNK):
+        n = min(CHUNK, total - start)
+        piece = out[start : start + n] if out is not None else sink[:n]  # type: ignore[index]
+        sealed = memoryview(record)[: n + GCM_TAG]
+        if start or total > SMALL_FRAME_BYTES:  # (a small one's only record came with its tag)
             _recv_exactly_into(sock, [sealed], progress)
         cipher.open_record(sealed, piece)
+
 
 
 def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
@@ -193,18 +199,23 @@ class TcpTransport(LinkTransport):
             self._heard(j)
             kind, tag_len, size = unpack_frame(bytes(header))
             tag = bytearray(tag_len)
-            if kind == DATA:  # control frames are never held back: an abort may be what frees room
+            big = size > MAX_DISCARDED_BYTES
+            if big:  # judged by its tag before room is made for it (too big to be read only to be dropped)
+                _recv_exactly(sock, memoryview(tag))
+                self._admit(j, kind, tag.decode(), size)  # takes it, or refuses (drops the link)
+            if kind == DATA:  # control frames never wait: an abort may be what frees room
                 self._reserve(j, size)
             payload = self._payload_buffer(size)
-            _recv_exactly_into(sock, [memoryview(tag), memoryview(payload.numpy())], progress)  # type: ignore[arg-type]
-            text = tag.decode()  # tag and payload came in one call: judged once both are here
-            self._received(j, kind, text, payload, self._admit(j, kind, text, size))
+            views = ([] if big else [memoryview(tag)]) + [memoryview(payload.numpy())]  # type: ignore[arg-type]
+            _recv_exactly_into(sock, views, progress)  # a small one: tag and payload in one call
+            text = tag.decode()
+            self._received(j, kind, text, payload, True if big else self._admit(j, kind, text, size))
             del payload  # the block goes back to the pool as soon as its reader drops it
 
     def _receive_sealed(self, j: int, sock: socket.socket, cipher: LinkCipher, progress: Callable[[], None]) -> None:
         """Frames of a sealed link: the header and sealed tag are checked before any room is reserved
-        for the payload; the tag and the payload's first record come in one call (a small frame
-        costs two reads, as in clear), each record is opened into its place as it lands."""
+        for the payload or more than a small one is read (a small frame's tag and payload come in one
+        call: two reads, as in clear); each record is opened into its place as it lands."""
         header = bytearray(FRAME.size)
         record = bytearray(CHUNK + GCM_TAG)
         while True:
@@ -212,14 +223,19 @@ class TcpTransport(LinkTransport):
             self._heard(j)
             kind, tag_len, size = unpack_frame(bytes(header))
             sealed_tag = bytearray(tag_len + GCM_TAG)
-            first = memoryview(record)[: min(size, CHUNK) + GCM_TAG] if size else memoryview(record)[:0]
+            # a small payload (one record) comes with the tag in one read; a bigger one after the tag's check
+            first = memoryview(record)[: size + GCM_TAG] if 0 < size <= SMALL_FRAME_BYTES else memoryview(record)[:0]
             _recv_exactly_into(sock, [memoryview(sealed_tag), first], progress)
             tag = cipher.open_head(bytes(header), bytes(sealed_tag)).decode()
             keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
             if kind == DATA and keep:
                 self._reserve(j, size)
-            payload = self._payload_buffer(size)
-            _recv_sealed_into(sock, cipher, record, memoryview(payload.numpy()), progress)  # type: ignore[arg-type]
+            if keep:
+                payload = self._payload_buffer(size)
+                _recv_sealed_into(sock, cipher, record, memoryview(payload.numpy()), progress)  # type: ignore[arg-type]
+            else:  # opened (its records are numbered) into a sink, record by record, and dropped
+                payload = torch.empty(0, dtype=torch.uint8)
+                _recv_sealed_into(sock, cipher, record, None, progress, size)
             self._received(j, kind, tag, payload, keep)
             del payload  # the block goes back to the pool as soon as its reader drops it
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from zend.transport.frames import DATA, FRAME, MAX_TAG_BYTES, FrameError, unpack_frame
-from zend.transport.link_transport import HandshakeGate, LinkTransport
+from zend.transport.link_transport import MAX_HANDSHAKES, HandshakeGate, LinkTransport
 from zend.transport.sealing import GCM_TAG, LinkCipher, sealed_size
 
 log = logging.getLogger("zend.transport")
@@ -135,7 +135,7 @@ class UcxTransport(LinkTransport):
 
         loop = _ucx_loop()
 
-        gate = HandshakeGate()  # UCX does not tell the client's address: one bound for all
+        gate = HandshakeGate(per_source=MAX_HANDSHAKES)  # UCX does not tell the client's address: one bound
 
         async def on_connect(endpoint: Any) -> None:
             # the handshake blocks on the loop; run it on a thread of its own, within the gate
@@ -144,8 +144,12 @@ class UcxTransport(LinkTransport):
                 log.warning("rank %d: refused a UCX connection: %s", self.rank, refusal)
                 endpoint.abort()
                 return
-            threading.Thread(target=self._accept_then_leave, args=(endpoint, gate), name="handshake",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._accept_then_leave, args=(endpoint, gate), name="handshake",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: this connection only
+                gate.leave("ucx")
+                endpoint.abort()
 
         async def listen() -> Any:
             return ucxx.create_listener(on_connect, self.port or None)
@@ -183,12 +187,12 @@ class UcxTransport(LinkTransport):
         # On the loop thread (UCX objects must not be touched from two threads at once): a
         # graceful close tells the peer at once; abort if the peer does not answer.
         async def abort() -> None:
-            if link.closed():
+            if link.closed:
                 return
             try:
                 await asyncio.wait_for(link.close(), 1.0)
             except Exception:  # the peer is gone or slow
-                if not link.closed():
+                if not link.closed:
                     link.abort()
 
         with contextlib.suppress(Exception):  # already closed, or the peer is gone
@@ -237,7 +241,14 @@ class UcxTransport(LinkTransport):
             keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
             if kind == DATA and keep and self._must_wait(j, size):  # backpressure: off the loop; never for control
                 await loop.run_in_executor(None, self._reserve, j, size)
-            if on_device and torch.cuda.is_available():
+            if not keep:  # read (and, sealed, opened: its records are numbered) only to be dropped
+                payload = torch.empty(0, dtype=torch.uint8)
+                if size:
+                    sink = np.empty(sealed_size(size) if cipher is not None else size, dtype=np.uint8)
+                    await link.recv(sink)
+                    if cipher is not None:
+                        cipher.open_all(memoryview(sink), memoryview(np.empty(size, dtype=np.uint8)))  # type: ignore[arg-type]
+            elif on_device and torch.cuda.is_available():
                 payload = torch.empty(size, dtype=torch.uint8, device="cuda")
                 if size:
                     await link.recv(payload)  # UCX writes into GPU memory (cuda_copy/ipc)
@@ -264,6 +275,8 @@ class UcxTransport(LinkTransport):
         try:  # bounded: a frozen peer must not hold the heartbeat thread (a UCX message goes whole or not)
             self._io(link, send(), 1.0)
         except TimeoutError:
+            if cipher is not None:  # sealed and numbered, maybe gone, maybe not: the link's numbers are unsure
+                raise ConnectionError("a sealed control frame did not go within 1 s") from None
             return False
         return True
 
@@ -285,9 +298,12 @@ class UcxTransport(LinkTransport):
         size = data.numel()
         wire = None
         if size:  # sealed whole on the host (GPU payloads too), then sent as one UCX message
-            scratch = self._seal_scratch.get(id(link))
-            if scratch is None or scratch.numel() < sealed_size(size):
-                scratch = self._seal_scratch[id(link)] = torch.empty(sealed_size(size), dtype=torch.uint8)
+            with self._in_flight_lock:
+                scratch = self._seal_scratch.get(id(link))
+                if scratch is None or scratch.numel() < sealed_size(size):
+                    scratch = torch.empty(sealed_size(size), dtype=torch.uint8)
+                    if not link.closed:  # kept for the link's next sends (its close drops it)
+                        self._seal_scratch[id(link)] = scratch
             wire = scratch[: sealed_size(size)]
             cipher.seal_all(memoryview(data.cpu().numpy()), memoryview(wire.numpy()))  # type: ignore[arg-type]
 
