@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -166,11 +165,9 @@ def _operator_token(secret_file: str | None) -> str | None:
     """The operator token from the cluster secret, read as `zend serve` reads it; None when no secret is set.
     OSError or SecretError when one is named but cannot be used."""
     from zend.daemon.jobs import operator_token
-    from zend.daemon.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
+    from zend.daemon.secret import load_secret, secret_given
 
-    if not (secret_file or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV)):
-        return None
-    return operator_token(load_secret(secret_file))
+    return operator_token(load_secret(secret_file)) if secret_given(secret_file) else None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -178,7 +175,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from zend.api.zen.v1 import zen_pb2 as pb
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-    from zend.daemon.secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
+    from zend.daemon.secret import HOW_TO_SET, SecretError
 
     address = _daemon_address(args)
     try:
@@ -188,8 +185,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     if token is None and (args.drain is not None or args.undrain):
         print(f"zend status: --{'drain' if args.drain is not None else 'undrain'} needs the operator token, "
-              f"derived from the cluster secret, and no secret is set: give --secret-file FILE, or set "
-              f"${SECRET_FILE_ENV} or ${SECRET_ENV}", file=sys.stderr)
+              f"derived from the cluster secret, and no secret is set: {HOW_TO_SET}", file=sys.stderr)
         return 2
     metadata = [("authorization", f"Bearer {token}")] if token is not None else []
     with grpc.insecure_channel(address) as channel:
@@ -207,8 +203,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 1
     if args.drain is None and not args.undrain and reply.redacted:
         print(f"zend status: no cluster secret set, so no operator token: showing the redacted view (no jobs, "
-              f"tensors, sessions, pids or peer addresses); give --secret-file FILE, or set ${SECRET_FILE_ENV} "
-              f"or ${SECRET_ENV}, for all of it", file=sys.stderr)
+              f"tensors, sessions, pids or peer addresses); {HOW_TO_SET}, for all of it", file=sys.stderr)
     if args.json:
         print(json.dumps(message_dict(reply), indent=1))
     elif args.drain is not None:

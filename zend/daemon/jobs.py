@@ -38,6 +38,14 @@ def job_token(secret: bytes, job: str) -> str:
     return hmac.new(secret, b"zen-job-token\0" + job.encode(), hashlib.sha256).hexdigest()
 
 
+def bearer_of(authorization: object) -> str | None:
+    """The token of an `authorization: Bearer <token>` value (gRPC metadata, an HTTP header); None for
+    anything else."""
+    if isinstance(authorization, str) and authorization.startswith("Bearer "):
+        return authorization[len("Bearer "):]
+    return None
+
+
 def operator_token(secret: bytes) -> str:
     """What the Operator service asks for; its own label, so no job id gives it (job tokens hash
     "zen-job-token\\0" + job)."""

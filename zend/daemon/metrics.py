@@ -29,7 +29,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from zend.core.comm import Communicator
-from zend.daemon.jobs import job_key, tensor_id
+from zend.daemon.jobs import bearer_of, job_key, tensor_id
 from zend.protocol.version import daemon_version
 
 if TYPE_CHECKING:
@@ -233,11 +233,10 @@ class DaemonMetrics:
         """The exposition on http://host:port/ (any path), on threads of its own; names only for the
         operator token (see the module's docstring), none at all when no token is given."""
         redacted = Redacted(self.registry)
-        expected = f"Bearer {operator_token}" if operator_token else None
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-            given = environ.get("HTTP_AUTHORIZATION", "")
-            named = expected is not None and hmac.compare_digest(given.encode(), expected.encode())
+            given = bearer_of(environ.get("HTTP_AUTHORIZATION"))
+            named = bool(operator_token and given and hmac.compare_digest(given.encode(), operator_token.encode()))
             encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
             body = encoder(self.registry if named else redacted)
             start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])

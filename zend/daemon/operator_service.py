@@ -20,6 +20,7 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.grpc_errors import maps_errors
+from zend.daemon.jobs import bearer_of
 from zend.daemon.status import NodeStatus
 from zend.protocol.enums import DTYPE_TO_PROTO, LAYOUT_TO_PROTO
 
@@ -50,8 +51,7 @@ class OperatorService(pb_grpc.OperatorServicer):
         given = [v for k, v in context.invocation_metadata() if k == "authorization"]
         if not given and not required:
             return False
-        value = given[0] if given else ""
-        token = value[len("Bearer "):] if isinstance(value, str) and value.startswith("Bearer ") else ""
+        token = bearer_of(given[0]) if given else None
         if token and hmac.compare_digest(token.encode(), self._token.encode()):
             return True
         why = "the token given is not the operator token" if given else "no operator token given"

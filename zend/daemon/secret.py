@@ -11,6 +11,13 @@ import os
 SECRET_ENV = "ZEN_CLUSTER_SECRET"
 SECRET_FILE_ENV = "ZEN_CLUSTER_SECRET_FILE"
 MIN_SECRET_BYTES = 16
+HOW_TO_SET = (f"give --secret-file FILE, or set ${SECRET_FILE_ENV} to a file holding it or ${SECRET_ENV} to the "
+              "secret itself")
+
+
+def secret_given(path: str | None = None) -> bool:
+    """Whether a secret is named at all (`path`, or either variable): what load_secret would read."""
+    return bool(path or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV))
 
 
 class SecretError(ValueError):
@@ -31,9 +38,8 @@ def load_secret(path: str | None = None) -> bytes:
         secret = os.environ[SECRET_ENV].encode()
         source = f"${SECRET_ENV}"
     else:  # nothing to measure: say where a secret goes, not that it is 0 bytes
-        raise SecretError(f"no cluster secret is set: give --secret-file FILE, or set ${SECRET_FILE_ENV} to a "
-                          f"file holding it or ${SECRET_ENV} to the secret itself (at least {MIN_SECRET_BYTES} "
-                          "bytes, the same on every node)")
+        raise SecretError(f"no cluster secret is set: {HOW_TO_SET} (at least {MIN_SECRET_BYTES} bytes, the same "
+                          "on every node)")
     if len(secret) < MIN_SECRET_BYTES:
         raise SecretError(f"cluster secret from {source} is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are "
                           "required")

@@ -24,7 +24,7 @@ from zend.core.sparse import SparseGradError
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.grpc_errors import maps_errors
-from zend.daemon.jobs import JobRegistry, Session
+from zend.daemon.jobs import JobRegistry, Session, bearer_of
 from zend.daemon.membership import Membership
 from zend.daemon.trainer_steps import Admitted, TrainerSteps
 from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
@@ -38,8 +38,9 @@ log = logging.getLogger("zend.service")
 
 def bearer_token(context: grpc.ServicerContext) -> str:
     for key, value in context.invocation_metadata():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer "):]
+        token = bearer_of(value) if key == "authorization" else None
+        if token is not None:
+            return token
     raise StepError(codes.UNAUTHENTICATED, "missing 'authorization: Bearer <job token>' metadata")
 
 
