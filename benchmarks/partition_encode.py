@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from zend.core.codec import encode_gathered
 from zend.core.partition import ZenPartitioner
+from zend.core.schemes.parallel import ZenScheme
 from zend.core.sparse import SparseGrad
 from zend.runtime.tuning import tune_allocator
 
@@ -43,9 +43,12 @@ def case(num_rows: int, nnz: int, row_len: int, n: int, repeat: int, device: str
         parts.split(grad)
         sync()
 
-    def partition_and_encode() -> None:
-        for j, p in enumerate(parts.split(grad)):  # as the scheme's push does: gathered into the message
-            encode_gathered(p.keys, p.source, p.rows, parts.domain_size(j))
+    scheme = ZenScheme(seed=1)
+
+    def partition_and_encode() -> None:  # every message rank 0 sends, made as the scheme's push makes them
+        message, _, _ = scheme.prepare_push(parts, grad, 0)
+        for j in range(1, n):
+            message(j)
         sync()
 
     partition_and_encode()  # warm-up (CUDA kernels, allocator)

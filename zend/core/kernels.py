@@ -39,37 +39,73 @@ def _jit_reassoc(fn: Any) -> Any:
 
 
 @_jit
+def _zen_slot0(r: Any, n: int, inv_n: float, multiplier: int, salt: int) -> tuple[Any, Any]:
+    """(partition of slice 0 of row r, its block r // n): ZenPartitioner.rotation for one row. The
+    division is a float multiply and one correction (exact for r < 2^52, FAST_DIVISION_LIMIT), and
+    the two mod-n's are compare-and-subtract: an integer division costs 20-40 cycles, and this
+    runs once per index."""
+    b = np.int64(r * inv_n)
+    rem = r - b * n
+    if rem < 0:
+        b -= 1
+        rem += n
+    elif rem >= n:
+        b += 1
+        rem -= n
+    h = ((((b ^ salt) * multiplier) & _MASK32) * n) >> 32  # zend.core.hashing.SeededHash
+    p = h + rem
+    if p >= n:
+        p -= n
+    return p, b
+
+
+FAST_DIVISION_LIMIT = 1 << 52  # rows below this divide exactly through float64 (_zen_slot0)
+
+
+@_jit
 def _zen_owners(rows: Any, n: int, s_count: int, multiplier: int, salt: int, owner: Any, counts: Any) -> None:
     """owner[i * S + s] = partition of slice s of row rows[i] (ZenPartitioner.rotation); counts per partition."""
+    inv_n = 1.0 / n
+    u = 0
     for i in range(rows.shape[0]):
-        r = rows[i]
-        b = r // n
-        h = ((((b ^ salt) * multiplier) & _MASK32) * n) >> 32
-        rot = (h + r - b * n) % n
-        for s in range(s_count):
-            p = (rot + s) % n
-            owner[i * s_count + s] = p
+        p, _ = _zen_slot0(rows[i], n, inv_n, multiplier, salt)
+        for _s in range(s_count):
+            owner[u] = p
             counts[p] += 1
+            u += 1
+            p += 1
+            if p == n:
+                p = 0
 
 
 @_jit
 def _zen_group(owner: Any, rows: Any, n: int, s_count: int, starts: Any, order: Any, keys: Any) -> None:
     """A counting sort of the units by owner, stable: order[k] = unit, keys[k] = its key b * S + s."""
-    for u in range(owner.shape[0]):
-        p = owner[u]
-        k = starts[p]
-        starts[p] = k + 1
-        order[k] = u
-        i = u // s_count
-        keys[k] = (rows[i] // n) * s_count + (u - i * s_count)
+    inv_n = 1.0 / n
+    u = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        b = np.int64(r * inv_n)  # as in _zen_slot0
+        if b * n > r:
+            b -= 1
+        elif (b + 1) * n <= r:
+            b += 1
+        for s in range(s_count):
+            p = owner[u]
+            k = starts[p]
+            starts[p] = k + 1
+            order[k] = u
+            keys[k] = b * s_count + s
+            u += 1
 
 
 def zen_split(rows: np.ndarray, n: int, s_count: int, multiplier: int, salt: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order, keys, counts): the units (row i's slice s is unit i * S + s) grouped by owner in two
-    linear passes, where a sort would take log n passes; keys are int32, as on the wire."""
+    linear passes, where a sort would take log n passes; keys are int32, as on the wire. Rows must be
+    below FAST_DIVISION_LIMIT."""
     units = rows.size * s_count
-    owner = np.empty(units, dtype=np.int32)
+    owner = np.empty(units, dtype=np.uint16)  # n <= 2^16 (hashing.MAX_PARTS)
     counts = np.zeros(n, dtype=np.int64)
     _zen_owners(rows, n, s_count, multiplier, salt, owner, counts)
     starts = np.zeros(n, dtype=np.int64)
@@ -77,6 +113,56 @@ def zen_split(rows: np.ndarray, n: int, s_count: int, multiplier: int, salt: int
     order, keys = np.empty(units, dtype=np.int64), np.empty(units, dtype=np.int32)
     _zen_group(owner, rows, n, s_count, starts, order, keys)
     return order, keys, counts
+
+
+@_jit
+def _zen_counts(rows: Any, n: int, multiplier: int, salt: int, counts: Any) -> None:
+    inv_n = 1.0 / n
+    for i in range(rows.shape[0]):
+        p, _ = _zen_slot0(rows[i], n, inv_n, multiplier, salt)
+        counts[p] += 1
+
+
+@_jit
+def _zen_scatter(rows: Any, units: Any, n: int, multiplier: int, salt: int, filled: Any, bitmap: Any,
+                 index_at: Any, value_at: Any, as_u8: Any, as_i32: Any, as_units: Any) -> None:
+    """Row i (one unit, S = 1) written straight into its owner's message: its key (the block) as the
+    next COO entry or as a bit, its values as the next row of the message's values. Keys of ascending
+    rows ascend within every partition, so a bitmap's values are already in key order."""
+    inv_n = 1.0 / n
+    width = units.shape[1]
+    for i in range(rows.shape[0]):
+        p, b = _zen_slot0(rows[i], n, inv_n, multiplier, salt)
+        k = filled[p]
+        filled[p] = k + 1
+        if bitmap[p]:
+            at = index_at[p] + (b >> 3)
+            as_u8[at] |= np.uint8(1 << (b & 7))
+        else:
+            as_i32[index_at[p] + k] = b
+        if width == 1:  # element-sparse (top-k): no inner loop, a quarter less time
+            as_units[value_at[p] + k] = units[i, 0]
+        else:
+            base = value_at[p] + k * width
+            for c in range(width):
+                as_units[base + c] = units[i, c]
+
+
+def zen_counts(rows: np.ndarray, n: int, multiplier: int, salt: int) -> np.ndarray:
+    """Units per partition of ascending rows with S = 1 (whole-row units): the first of the push's two passes."""
+    counts = np.zeros(n, dtype=np.int64)
+    _zen_counts(rows, n, multiplier, salt, counts)
+    return counts
+
+
+def zen_scatter(rows: np.ndarray, units: np.ndarray, n: int, multiplier: int, salt: int, bitmap: np.ndarray,
+                index_at: np.ndarray, value_at: np.ndarray, buffer: np.ndarray) -> None:
+    """The push's second pass: every row's key and values into its owner's message, all messages
+    laid out in `buffer` (uint8, 8-byte aligned). index_at[p]: where partition p's keys start, in
+    int32s for COO, in bytes for a bitmap (zeroed by the caller); value_at[p]: where its values
+    start, in units' elements. `units` is an integer view of the values (bits are copied)."""
+    _zen_scatter(rows, units, n, multiplier, salt, np.zeros(n, dtype=np.int64), bitmap, index_at, value_at, buffer,
+                 buffer.view(np.int32), buffer.view(units.dtype))
 
 
 @_jit

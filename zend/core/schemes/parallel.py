@@ -9,12 +9,23 @@ One skeleton, three schemes that differ only in how they partition and encode:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
+from zend.core import kernels
 from zend.core.aggregate import slot_keys, sum_into
-from zend.core.codec import Encoding, allocate_units, cheapest, encode_gathered, read_header, write_bitmap
+from zend.core.codec import (
+    Encoding,
+    allocate_many,
+    allocate_units,
+    cheapest,
+    encode_gathered,
+    read_header,
+    write_bitmap,
+)
 from zend.core.comm import Channel
 from zend.core.partition import (
     BlockRangePartitioner,
@@ -30,6 +41,36 @@ BOTH = (Encoding.COO, Encoding.BITMAP)
 COO_ONLY = (Encoding.COO,)
 
 
+def zen_push_messages(parts: ZenPartitioner, grad: SparseGrad, allowed: tuple[Encoding, ...], keep: int
+                      ) -> tuple[list[torch.Tensor], Part, list[int]] | None:
+    """Every partition's push message in two passes over a CPU gradient of whole-row units (S = 1):
+    count the units per owner, then write each row's key and values straight into its owner's
+    message (kernels.zen_scatter), with no grouping pass and no gather between. Partition `keep`
+    (this rank's own) is made COO and not sent: its keys and values are read in place. Returns
+    (messages, partition `keep`, units per partition), or None where the kernel does not apply."""
+    n, width, domain = parts.num_parts, parts.unit_width, parts.domain_size(0)
+    if (parts.slices != 1 or n == 1 or grad.device.type != "cpu" or not kernels.available()
+            or parts.num_rows >= kernels.FAST_DIVISION_LIMIT or domain >= 2**31):
+        return None
+    rows = grad.indices.to(torch.int64).contiguous().numpy()
+    counts = kernels.zen_counts(rows, n, parts.hash.multiplier, parts.hash.salt).tolist()
+    kinds = [Encoding.COO if j == keep else cheapest(c, width, domain, grad.dtype, allowed)
+             for j, c in enumerate(counts)]
+    buffer, messages, _ = allocate_many(kinds, counts, width, [domain] * n, grad.dtype)
+    for m in messages:
+        if m.kind is Encoding.BITMAP:
+            m.index.zero_()
+    bits = {2: torch.int16, 4: torch.int32}[grad.values.element_size()]
+    units = grad.flat_values().contiguous().view(bits).numpy()
+    kernels.zen_scatter(rows, units, n, parts.hash.multiplier, parts.hash.salt,
+                        np.array([m.kind is Encoding.BITMAP for m in messages], dtype=np.bool_),
+                        np.array([m.index.storage_offset() for m in messages], dtype=np.int64),  # in its own units
+                        np.array([m.values.storage_offset() for m in messages], dtype=np.int64),
+                        buffer.numpy())
+    own = messages[keep]
+    return [m.buf for m in messages], Part(own.index, own.values), counts
+
+
 class ParallelScheme(ExchangeScheme):
     encodings: tuple[Encoding, ...] = BOTH
 
@@ -39,33 +80,50 @@ class ParallelScheme(ExchangeScheme):
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
         n = ch.world_size
         parts = self.partitioner(grad, n)
-        split = parts.split(grad)
-        self._push(ch, parts, split)
-        mine, units_in, pull_msg = self._aggregate(ch, parts, split, grad.dtype, average, deterministic)
+        push_message, own, push_counts = self.prepare_push(parts, grad, ch.rank)
+        self._push(ch, push_message)
+        mine, units_in, pull_msg = self._aggregate(ch, parts, own, grad.dtype, average, deterministic)
         pulled, units_at_owner = self._pull(ch, parts, mine, units_in, pull_msg)
         units_per_row = self.units_per_row(parts)
         return SyncResult(
             parts.assemble(pulled, grad),
             self.name,
             ch.traffic,
-            push_imbalance=imbalance([p.count for p in split]),
+            push_imbalance=imbalance(push_counts),
             push_load_imbalance=imbalance(units_at_owner),
             pull_imbalance=imbalance([p.count for p in pulled]),
             mean_input_rows=sum(units_at_owner) / n / units_per_row if units_per_row else None,
             details={"unit_width": parts.unit_width},
         )
 
-    def _push(self, ch: Channel, parts: Partitioner, split: list[Part]) -> None:
-        """Partition j's units go to rank j, gathered from the gradient straight into the message."""
+    def prepare_push(self, parts: Partitioner, grad: SparseGrad, me: int
+                      ) -> tuple[Callable[[int], torch.Tensor], Part, list[int]]:
+        """How partition j's push message is made, this rank's own partition, and every partition's
+        unit count. ZEN's whole-row units on CPU take the two-pass kernel (every message made at
+        once, no grouping pass between); otherwise each message is gathered from the split as it
+        is sent, so that encoding the next overlaps the send of this one."""
+        fused = zen_push_messages(parts, grad, self.encodings, me) if isinstance(parts, ZenPartitioner) else None
+        if fused is not None:
+            messages, own, counts = fused
+            return messages.__getitem__, own, counts
+        split = parts.split(grad)
+
+        def encode(j: int) -> torch.Tensor:
+            part = split[j]
+            return encode_gathered(part.keys, part.source, part.rows, parts.domain_size(j), self.encodings)
+
+        return encode, split[me], [p.count for p in split]
+
+    def _push(self, ch: Channel, message: Callable[[int], torch.Tensor]) -> None:
+        """Partition j's units go to rank j."""
         n, me = ch.world_size, ch.rank
         for step in range(1, n):
             j = (me + step) % n  # staggered, so that no owner is everyone's first target
-            part = split[j]
-            msg = encode_gathered(part.keys, part.source, part.rows, parts.domain_size(j), self.encodings)
+            msg = message(j)
             ch.note_encoding("push", read_header(msg).kind.name)
             ch.send(j, "push", msg)
 
-    def _aggregate(self, ch: Channel, parts: Partitioner, split: list[Part], dtype: torch.dtype, average: bool,
+    def _aggregate(self, ch: Channel, parts: Partitioner, own: Part, dtype: torch.dtype, average: bool,
                    deterministic: bool) -> tuple[Part, int, torch.Tensor]:
         """This rank's partition summed over every rank, how many units it received, and the pull
         message that carries the sum (the sum is taken inside that message's buffer)."""
@@ -75,8 +133,8 @@ class ParallelScheme(ExchangeScheme):
         values_in: list[torch.Tensor] = []
         for i in range(n):  # rank order: the sum's order does not depend on arrival
             if i == me:
-                keys_in.append(split[me].keys)
-                values_in.append(split[me].values)
+                keys_in.append(own.keys)
+                values_in.append(own.values)
             else:
                 keys, values, _ = recv_units(ch, i, "push", parts.unit_width, domain, dtype,
                                              check_keys=partial(parts.check_keys, me))
