@@ -226,7 +226,7 @@ class RowOutOfRange:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def sync(self, channel: Any, grad: SparseGrad, average: bool = False) -> Any:
+    def sync(self, channel: Any, grad: SparseGrad, average: bool = False, place: Any = None) -> Any:
         result = self.inner.sync(channel, grad, average=average)
         g = result.grad
         bad = SparseGrad(torch.cat([g.indices, torch.tensor([g.num_rows + 5])]), torch.cat([g.values, g.values[:1]]),
@@ -246,3 +246,69 @@ def test_a_row_outside_the_tensor_in_a_nodes_sum_fails_the_step_on_every_node_be
     for got in results:
         assert isinstance(got, StepError) and got.code == codes.INVALID_ARGUMENT, got
         assert "row 125, outside [0, 120)" in got.message, got.message
+
+
+def _submit_into(node: Node, session: Session, spec: TensorSpec, grad: SparseGrad, step: int,
+                 result: MemoryBuffer) -> Any:
+    """A trainer's Submit whose result buffer is `result` (kept across steps, as a trainer's is)."""
+    state = node.registry.register(session, spec, lambda: make_scheme(node.scheme, seed=3))
+    sid = session.session_id
+    source = node.buffers[(sid, f"in-{spec.name}-{step}")] = MemoryBuffer(f"in-{spec.name}-{step}",
+                                                                         max(64, spec.nbytes(grad.nnz)))
+    node.buffers[(sid, result.buffer_id)] = result
+    spec.write(grad, source.view, 0)
+    return node.trainer_steps.submit(session, state.tensor_id, step, (source.buffer_id, 0), grad.nnz,
+                                     (result.buffer_id, 64), wait_s=30.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim, average", [(4, False), (4, True), (64, True)])
+def test_zen_assembles_the_sum_in_the_trainers_result_buffer(dtype: torch.dtype, dim: int, average: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """One trainer per node: ZEN writes the sum (and the mean) straight into the trainer's result buffer,
+    where delivery then has nothing to write; the bits are those of the path that assembles elsewhere
+    and copies (dim 4: whole rows merged; dim 64: slices placed through the table)."""
+    spec = TensorSpec(JOB, "emb", (120, dim), str(dtype).removeprefix("torch."), "sparse_rows", average)
+
+    def body(node: Node, session: Session, trainer: int) -> list[tuple[bool, SparseGrad]]:
+        result = MemoryBuffer("out", 64 + spec.max_bytes)
+        out = []
+        for step in range(2):
+            outcome = _submit_into(node, session, spec, grad_of(trainer, step, dim=dim, dtype=dtype), step, result)
+            base = result.raw.data_ptr()
+            inside = base <= outcome.grad.values.data_ptr() < base + result.nbytes
+            got = spec.read(result.view, 64, outcome.grad.nnz, check=False)
+            out.append((inside and outcome.placed is not None, SparseGrad(got.indices, got.values.clone(), 120)))
+        return out
+
+    placed = run_job(2, 1, "zen", body)
+    monkeypatch.setattr(TrainerSteps, "_room", lambda self, ticket: None)
+    copied = run_job(2, 1, "zen", body)
+    for per_node_placed, per_node_copied in zip(placed, copied, strict=True):
+        (steps_placed,), (steps_copied,) = per_node_placed, per_node_copied
+        for (in_place, a), (elsewhere, b) in zip(steps_placed, steps_copied, strict=True):
+            assert in_place and not elsewhere
+            assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    expected = reference_sum([grad_of(t, 1, dim=dim, dtype=dtype) for t in range(2)])
+    assert_close_to(placed[0][0][1][1].to_dense() * (2 if average else 1), expected, dtype, 2)
+
+
+def test_a_kept_result_whose_buffer_took_a_later_result_is_not_served() -> None:
+    """A repeat of a finished step is answered from the kept result; if that result lay in a buffer
+    that has since received another tensor's sum, the repeat fails instead of reading the newer one."""
+    emb = TensorSpec(JOB, "emb", (120, 4), "float32", "sparse_rows", False)
+    other = TensorSpec(JOB, "other", (120, 4), "float32", "sparse_rows", False)
+
+    def body(node: Node, session: Session, trainer: int) -> Any:
+        shared = MemoryBuffer("out", 64 + emb.max_bytes)
+        first = _submit_into(node, session, emb, grad_of(trainer, 0), 0, shared)
+        again = _submit_into(node, session, emb, grad_of(trainer, 0), 0, shared)  # a repeat: the same answer
+        assert again is first
+        _submit_into(node, session, other, grad_of(trainer, 5), 0, shared)  # its sum lands in the same buffer
+        with pytest.raises(StepError) as late:
+            _submit_into(node, session, emb, grad_of(trainer, 0), 0, shared)
+        return late.value
+
+    for (err,) in run_job(2, 1, "zen", body):
+        assert isinstance(err, StepError) and err.code == codes.FAILED_PRECONDITION, err
+        assert "holds a later result" in err.message

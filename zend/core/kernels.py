@@ -11,6 +11,7 @@ Compiled code is cached on disk (numba's cache, next to this file or in $NUMBA_C
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -262,8 +263,18 @@ def _decode_rows(keys: list[np.ndarray], num_rows: int, n: int, s_count: int, mu
     return decoded
 
 
+Room = Callable[[int], "tuple[np.ndarray, np.ndarray] | None"]  # rows -> (rows out, units out), or None
+
+
+def _room(room: Room | None, rows: int, units: int, width: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    given = room(rows) if room is not None else None
+    if given is None:
+        return np.empty(rows, dtype=np.int64), np.empty((units, width), dtype=dtype)
+    return given
+
+
 def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int, n: int, s_count: int,
-                 multiplier: int, salt: int, merge: bool) -> tuple[np.ndarray, np.ndarray]:
+                 multiplier: int, salt: int, merge: bool, room: Room | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rows of the union (ascending) and their units, (rows * s_count, unit width), from every
     partition's pulled keys and units. Units are integer views of the values (the kernel copies
     bits, so it serves every float type, bfloat16 included, which numpy lacks).
@@ -271,16 +282,22 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
     `merge` (whole-row units, S = 1, of a sparse union): every partition's rows ascend and no row
     is in two partitions, so merging the runs orders them with no pass over all the tensor's
     rows; otherwise the rows are marked in a table over them. Raises ValueError naming a key
-    that decodes past the tensor, or a union whose units do not add up."""
+    that decodes past the tensor, or a union whose units do not add up. The output goes where
+    `room` says (given the union's size), else into new arrays."""
     total = sum(k.size for k in keys)
+    width, dtype = units[0].shape[1], units[0].dtype
     if merge:
         decoded = _decode_rows(keys, num_rows, n, 1, multiplier, salt, np.zeros(0, dtype=np.uint8))
         union, slot = merge_runs([rows for rows, _ in decoded])
         if union.size != slot.size:
             raise ValueError(f"{slot.size} units pulled for {union.size} rows: a row is repeated")
-        order = np.empty(slot.size, dtype=np.int64)
-        order[slot] = np.arange(slot.size)  # output position -> input position
-        return union, np.concatenate(units)[order]
+        rows_out, out = _room(room, union.size, total, width, dtype)
+        rows_out[:] = union
+        at = 0
+        for u in units:  # each partition's units straight to their places: one copy
+            out[slot[at : at + u.shape[0]]] = u
+            at += u.shape[0]
+        return rows_out, out
     present = np.zeros(num_rows, dtype=np.uint8)
     decoded = _decode_rows(keys, num_rows, n, s_count, multiplier, salt, present)
     union = np.flatnonzero(present)
@@ -288,10 +305,11 @@ def zen_assemble(keys: list[np.ndarray], units: list[np.ndarray], num_rows: int,
         raise ValueError(f"{total} units pulled for {union.size} rows of {s_count} slices: "
                          "a slice is missing or repeated")
     position = np.cumsum(present, dtype=np.int32) - 1  # rows < 2^31
-    out = np.empty((total, units[0].shape[1]), dtype=units[0].dtype)
+    rows_out, out = _room(room, union.size, total, width, dtype)
+    rows_out[:] = union
     for (rows, slices), u in zip(decoded, units, strict=True):
         _place_units(rows, slices, position, s_count, u, out)
-    return union, out
+    return rows_out, out
 
 
 @_jit_reassoc

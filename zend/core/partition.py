@@ -23,7 +23,7 @@ import torch
 
 from zend.core import kernels
 from zend.core.hashing import SeededHash
-from zend.core.sparse import SparseGrad
+from zend.core.sparse import ResultPlace, SparseGrad
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,9 @@ class Partitioner(ABC):
         """Cut a coalesced gradient into one Part per partition (lossless)."""
 
     @abstractmethod
-    def assemble(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
-        """Inverse of split: parts[j] holds units of partition j; returns a coalesced gradient."""
+    def assemble(self, parts: Sequence[Part], template: SparseGrad, place: ResultPlace | None = None) -> SparseGrad:
+        """Inverse of split: parts[j] holds units of partition j; returns a coalesced gradient, in
+        `place`'s room where the partitioner can assemble there (else in memory of its own)."""
 
     def check_keys(self, part: int, keys: torch.Tensor) -> None:
         """ValueError unless every key of partition `part` (each already in its domain) is a unit of
@@ -214,7 +215,7 @@ class ZenPartitioner(Partitioner):
             raise ValueError(f"key {key} decodes to row {row}, outside partition {part}'s rows "
                              f"(num_rows {self.num_rows}: the last block is partial)")
 
-    def assemble(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
+    def assemble(self, parts: Sequence[Part], template: SparseGrad, place: ResultPlace | None = None) -> SparseGrad:
         """Every row of the union, each of its S slices from the partition that owns it.
 
         The caller promises each part's keys are unique (decode checks it); that every union row
@@ -228,7 +229,7 @@ class ZenPartitioner(Partitioner):
         # whole-row units of a sparse union: merge the partitions' ascending rows, no table over all rows
         merge = s_count == 1 and len(parts) <= kernels.MAX_MERGE_RUNS and self.num_rows > 2 * total
         if (marking or merge) and device.type == "cpu" and kernels.available() and parts:
-            return self._assemble_compiled(parts, template, merge)
+            return self._assemble_compiled(parts, template, merge, place)
         decoded = [self.rows_of(j, p.keys) for j, p in enumerate(parts)]
         for j, (r, _) in enumerate(decoded):
             if r.numel() and int(r.max()) >= self.num_rows:
@@ -263,11 +264,30 @@ class ZenPartitioner(Partitioner):
         torch.index_select(torch.cat(values), 0, source_of, out=out)
         return self._result(union, out, template)
 
-    def _assemble_compiled(self, parts: Sequence[Part], template: SparseGrad, merge: bool) -> SparseGrad:
+    def _assemble_compiled(self, parts: Sequence[Part], template: SparseGrad, merge: bool,
+                           place: ResultPlace | None) -> SparseGrad:
         bits = _BITS_OF[template.values.element_size()]
+        given: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def room(rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+            """`place`'s room as the kernel writes it (rows, units as integer bits), if it fits the result."""
+            got = place(rows) if place is not None else None
+            if got is None:
+                return None
+            indices, values = got
+            if (indices.dtype != torch.int64 or indices.shape != (rows,) or values.dtype != template.dtype
+                    or values.shape != (rows, *template.row_shape) or values.device.type != "cpu"
+                    or not values.is_contiguous()):
+                return None
+            given.append(got)
+            return indices.numpy(), values.view(bits).reshape(rows * self.slices, self.unit_width).numpy()
+
         union, out = kernels.zen_assemble(
             [p.keys.numpy() for p in parts], [p.values.view(bits).numpy() for p in parts], self.num_rows,
-            self.num_parts, self.slices, self.hash.multiplier, self.hash.salt, merge)
+            self.num_parts, self.slices, self.hash.multiplier, self.hash.salt, merge, room)
+        if given:
+            indices, values = given[0]
+            return SparseGrad(indices, values, template.num_rows, template.name, True)
         return self._result(torch.from_numpy(union), torch.from_numpy(out).view(template.dtype), template)
 
     @staticmethod
@@ -308,7 +328,7 @@ class RowRangePartitioner(_RangePartitioner):
     def split(self, grad: SparseGrad) -> list[Part]:
         return self._split_sorted(grad.indices.to(torch.int64), grad.flat_values())
 
-    def assemble(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
+    def assemble(self, parts: Sequence[Part], template: SparseGrad, place: ResultPlace | None = None) -> SparseGrad:
         rows, values = self._global_ids(parts)  # ranges are disjoint and ordered: already sorted
         return SparseGrad(rows, values.reshape(-1, *template.row_shape), template.num_rows, template.name, True)
 
@@ -347,7 +367,7 @@ class BlockRangePartitioner(_RangePartitioner):
         block_ids = (touched.cumsum(0)[:-1] > 0).nonzero().squeeze(1)
         return self._split_sorted(block_ids, flat.view(-1, self.unit_width)[block_ids])
 
-    def assemble(self, parts: Sequence[Part], template: SparseGrad) -> SparseGrad:
+    def assemble(self, parts: Sequence[Part], template: SparseGrad, place: ResultPlace | None = None) -> SparseGrad:
         block_ids, blocks = self._global_ids(parts)
         flat = self._padded(blocks.dtype, blocks.device)
         flat.view(-1, self.unit_width)[block_ids] = blocks

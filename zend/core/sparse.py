@@ -8,6 +8,7 @@ int64) plus `values` (one row of `row_shape` per index). An element-sparse gradi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,10 @@ from zend.core import dtypes
 VALUE_DTYPES = dtypes.TORCH_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 NonFinitePolicy = Literal["reject", "pass"]
+# Where a scheme may write its result: given the result's row count, (indices (rows,) int64, values
+# (rows, *row_shape)) to assemble into, or None (then it allocates). The daemon offers a trainer's
+# shared result buffer this way, so that the sum is written once, where the trainer reads it.
+ResultPlace = Callable[[int], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 class SparseGradError(ValueError):

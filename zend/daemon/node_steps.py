@@ -28,7 +28,7 @@ from zend.core import costmodel
 from zend.core.codec import PeerMessageError
 from zend.core.comm import Channel, CommAborted, CommError, CommTimeout, Communicator
 from zend.core.schemes import SyncResult
-from zend.core.sparse import SparseGrad, SparseGradError
+from zend.core.sparse import ResultPlace, SparseGrad, SparseGradError
 from zend.daemon import errors as codes
 from zend.daemon.agreement import agree
 from zend.daemon.errors import StepError
@@ -55,6 +55,7 @@ class StepOutcome:
     phases: dict[str, float] = field(default_factory=dict)  # seconds: wait, local_sum, agree, exchange, commit
     generation: int = 0  # the membership generation the step ran in
     nodes: int = 1  # and its number of nodes
+    placed: object = None  # the `place` whose room `grad` lies in (assembled there), else None
 
     @property
     def seconds(self) -> float:
@@ -88,11 +89,12 @@ class NodeSteps:
         return self.comm.world_size
 
     def run(self, state: TensorState, key: StepKey, parts: Sequence[SparseGrad], waited_s: float = 0.0,
-            attempt: int = 0) -> StepOutcome:
+            attempt: int = 0, place: ResultPlace | None = None) -> StepOutcome:
         """The step's outcome from the local parts (in local-rank order); StepError on any failure,
-        after which every node aborts the step."""
+        after which every node aborts the step. The scheme may assemble the result in `place`'s room
+        (the outcome's grad is then a view of it)."""
         try:
-            return self._run(state, key, parts, waited_s, attempt)
+            return self._run(state, key, parts, waited_s, attempt, place)
         except Exception as exc:
             err = as_step_error(exc, f"step {key.step} of tensor {state.spec.name!r}", self.comm.rank)
             self.comm.abort(sync_prefix(key, attempt), err.message, err.code)
@@ -103,7 +105,7 @@ class NodeSteps:
         self.comm.abort(sync_prefix(key, attempt), error.message, error.code)
 
     def _run(self, state: TensorState, key: StepKey, parts: Sequence[SparseGrad], waited_s: float,
-             attempt: int) -> StepOutcome:
+             attempt: int, place: ResultPlace | None) -> StepOutcome:
         spec = state.spec
         phases: dict[str, float] = {"wait": waited_s}
         started = time.monotonic()
@@ -119,9 +121,13 @@ class NodeSteps:
                     agree(Channel(self.comm, sync_id, self.timeout_s), spec, state.local_world_size)
                     phases["agree"] = time.perf_counter() - t
                 t = time.perf_counter()
-                result = state.scheme.sync(Channel(self.comm, sync_id, self.timeout_s), grad, average=False)
+                given: list[tuple[torch.Tensor, torch.Tensor]] = []
+                result = state.scheme.sync(Channel(self.comm, sync_id, self.timeout_s), grad, average=False,
+                                           place=_recorded(place, given) if place is not None else None)
                 phases["exchange"] = time.perf_counter() - t
-                outcome = self._outcome(state, grad, result, phases)  # all that can fail, before the commit
+                in_place = bool(given) and result.grad.values.data_ptr() == given[-1][1].data_ptr()
+                outcome = self._outcome(state, grad, result, phases, in_place)  # all that can fail, before the commit
+                outcome.placed = place if in_place else None
                 t = time.perf_counter()
                 self.commit(Channel(self.comm, sync_id, self.timeout_s), started)
             except BaseException:
@@ -176,17 +182,31 @@ class NodeSteps:
                 if not tolerate_lost:
                     raise
 
-    def _outcome(self, state: TensorState, grad: SparseGrad, result: SyncResult, phases: dict[str, float]
-                 ) -> StepOutcome:
+    def _outcome(self, state: TensorState, grad: SparseGrad, result: SyncResult, phases: dict[str, float],
+                 in_place: bool) -> StepOutcome:
         spec, out = state.spec, result.grad
         check_rows(spec, out)
         trainers = self.world_size * state.local_world_size
         if spec.average and trainers > 1:  # the scheme summed; the mean is over every trainer of the job
-            out = out.with_values((out.values.to(torch.float32) / trainers).to(spec.dtype))
+            mean = out.values.to(torch.float32) / trainers  # float32, one rounding: the same bits either way
+            if in_place:  # the sum lies in the room we offered (a result buffer): ours to overwrite
+                out.values.copy_(mean)
+            else:  # it may be a view of a trainer's input (one rank, one trainer)
+                out = out.with_values(mean.to(spec.dtype))
         return StepOutcome(out, result.scheme, result.traffic.bytes_sent, result.traffic.bytes_recv,
                            costmodel.dense_ring_bytes(self.world_size, spec.dense_bytes), grad.nnz,
                            result.mean_input_rows, result.push_load_imbalance, result.pull_imbalance, phases,
                            self.generation, self.world_size)
+
+
+def _recorded(place: ResultPlace, given: list[tuple[torch.Tensor, torch.Tensor]]) -> ResultPlace:
+    """`place`, remembering the room it gave (to tell whether the scheme's result is in it)."""
+    def offer(rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        room = place(rows)
+        if room is not None:
+            given.append(room)
+        return room
+    return offer
 
 
 def check_rows(spec: TensorSpec, out: SparseGrad) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +47,25 @@ class Buffer(Protocol):
 
 BufferLookup = Callable[[str, str], Buffer]  # (session id, buffer id) -> buffer; raises if not that session's
 BufferRef = tuple[str, int]  # (buffer id, byte offset)
+
+
+class ResultRoom:
+    """A trainer's result buffer offered to the step's scheme (a zend.core.sparse.ResultPlace): the
+    sum is assembled where that trainer reads it, and its delivery writes nothing. Each offer stamps
+    the buffer (`stamps`), so that a result kept for a late repeat is known to be overwritten once
+    a later step (or another tensor) assembled into the same buffer."""
+
+    def __init__(self, spec: TensorSpec, buf: Buffer, offset: int, stamps: weakref.WeakKeyDictionary[Any, int],
+                 counter: itertools.count[int]):
+        self.spec, self.buf, self.offset = spec, buf, offset
+        self._stamps, self._counter = stamps, counter
+        self.stamp = -1
+
+    def __call__(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.offset + self.spec.nbytes(rows) > self.buf.nbytes:
+            return None  # too small: the scheme allocates, and the delivery says so
+        self.stamp = self._stamps[self.buf] = next(self._counter)
+        return self.spec.result_views(self.buf.view, self.offset, rows)
 
 
 @dataclass
@@ -83,6 +104,8 @@ class TrainerSteps:
         self._gone: dict[tuple[str, int], str] = {}  # (job, local rank) -> why its trainer left, until replaced
         self.changing: str | None = None  # why the membership is changing (steps refused until `open`)
         self._lock = threading.Lock()
+        self._stamps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # buffer -> last offer
+        self._offers = itertools.count()
 
     def open(self, node: NodeSteps) -> None:
         """Start admitting steps, run by `node`."""
@@ -162,7 +185,7 @@ class TrainerSteps:
         """Run the node's step here if this submission completed it (else nothing)."""
         node, ticket.node = ticket.node, None
         if node is not None:
-            self._run(node, ticket.state, ticket.step)
+            self._run(node, ticket.state, ticket.step, self._room(ticket))
 
     def run_elsewhere(self, ticket: Admitted) -> None:
         """`run` on a thread of its own: the step may wait for other nodes for as long as the step timeout."""
@@ -200,9 +223,25 @@ class TrainerSteps:
         if step.error is not None:
             raise step.error
         outcome: StepOutcome = step.result
+        room = outcome.placed
+        if isinstance(room, ResultRoom):  # assembled in a result buffer: nothing to write if it is this one
+            self._check_held(room, ticket)
+            if ticket.out is room.buf and ticket.result_ref[1] == room.offset:
+                self.metrics.record_delivery(outcome.scheme, 0.0)
+                self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
+                return outcome
         self._deliver(ticket.state.spec, outcome, ticket.out, ticket.result_ref)
+        if isinstance(room, ResultRoom):
+            self._check_held(room, ticket)  # not overwritten while it was copied either
         self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
         return outcome
+
+    def _check_held(self, room: ResultRoom, ticket: Admitted) -> None:
+        """A kept result (for a late repeat) lies in a result buffer that a later step may have reused."""
+        if self._stamps.get(room.buf) != room.stamp:
+            raise StepError(codes.FAILED_PRECONDITION, f"step {ticket.step.key.step} of tensor "
+                                                       f"{ticket.state.spec.name!r} is over, and its result "
+                                                       "buffer holds a later result now: this trainer is behind")
 
     def _done_waiting(self, ticket: Admitted) -> None:
         with self._lock:  # done (or given up by this trainer, in `release`): its next step may come
@@ -321,11 +360,22 @@ class TrainerSteps:
         self.metrics.record_delivery(outcome.scheme, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ the step
-    def _run(self, node: NodeSteps, state: TensorState, step: Step) -> None:
+    def _room(self, ticket: Admitted) -> ResultRoom | None:
+        """The result buffer of the trainer that runs the step, when the scheme can assemble into it:
+        sparse rows in CPU memory (a dense result is zero-filled and scattered by `write`), and the
+        node's only trainer of the job (with more, the others would copy out of a buffer whose owner,
+        answered first, may already be changing it)."""
+        spec = ticket.state.spec
+        if (spec.layout == "dense" or ticket.state.local_world_size != 1
+                or getattr(ticket.out, "device", "cpu") != "cpu"):
+            return None
+        return ResultRoom(spec, ticket.out, ticket.result_ref[1], self._stamps, self._offers)
+
+    def _run(self, node: NodeSteps, state: TensorState, step: Step, room: ResultRoom | None = None) -> None:
         key = step.key
         try:
             outcome = node.run(state, key, [step.parts[r] for r in sorted(step.parts)],
-                                     waited_s=time.monotonic() - step.opened_at, attempt=step.attempt)
+                               waited_s=time.monotonic() - step.opened_at, attempt=step.attempt, place=room)
         except Exception as exc:  # every waiting trainer gets it
             err = exc if isinstance(exc, StepError) else StepError(
                 codes.INTERNAL, f"step {key.step} of tensor {state.spec.name!r}: internal error "

@@ -123,5 +123,12 @@ class TensorSpec:
             if grad.nnz:
                 out.index_copy_(0, grad.indices.to(out.device, torch.int64), grad.values.to(out.device, self.dtype))
             return
-        view(torch.int64, offset, grad.nnz).copy_(grad.indices)
-        view(self.dtype, offset + align(grad.nnz * 8), grad.nnz * self.row_len).copy_(grad.values.reshape(-1))
+        indices, values = self.result_views(view, offset, grad.nnz)
+        indices.copy_(grad.indices)
+        values.copy_(grad.values)
+
+    def result_views(self, view: ViewFn, offset: int, nnz: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices (nnz,) int64, values (nnz, *row_shape)) where a sparse result of nnz rows lies:
+        what `write` fills, and where a scheme may assemble the result itself (zend.core.sparse.ResultPlace)."""
+        return (view(torch.int64, offset, nnz),
+                view(self.dtype, offset + align(nnz * 8), nnz * self.row_len).view(nnz, *self.row_shape))

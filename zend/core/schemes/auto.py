@@ -31,7 +31,7 @@ import torch
 
 from zend.core import costmodel
 from zend.core.comm import Channel
-from zend.core.schemes.base import Scheme, SyncResult, from_peer
+from zend.core.schemes.base import ResultPlace, Scheme, SyncResult, from_peer
 from zend.core.schemes.centralized import AGSparseScheme, HCScheme
 from zend.core.schemes.dense import DenseScheme
 from zend.core.schemes.parallel import SparsePSScheme, ZenScheme
@@ -72,7 +72,7 @@ class AutoScheme(Scheme):
         return result, time.perf_counter() - start
 
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
+             deterministic: bool = False, place: ResultPlace | None = None) -> SyncResult:
         profiling = self.syncs % self.reprofile_every == 0
         self.syncs += 1
         trial = profiling or bool(self.plan)
@@ -81,7 +81,7 @@ class AutoScheme(Scheme):
             self.plan, self.best = [], {}
         scheme = self.schemes[name]
         result, seconds = self.timed(name, lambda: scheme.sync(ch, grad, average=average,
-                                                               deterministic=deterministic))
+                                                               deterministic=deterministic, place=place))
         if trial:
             self.best[name] = min(seconds, self.best.get(name, float("inf")))
         if profiling:

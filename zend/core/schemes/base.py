@@ -13,7 +13,7 @@ import torch
 from zend.core import kernels
 from zend.core.codec import Header, PeerMessageError, decode_units
 from zend.core.comm import Channel, Traffic
-from zend.core.sparse import SparseGrad, first_nonfinite
+from zend.core.sparse import ResultPlace, SparseGrad, first_nonfinite
 
 
 @dataclass
@@ -50,8 +50,9 @@ class Scheme(ABC):
 
     @abstractmethod
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
-        """Every rank calls this with its gradient of the same tensor (same shape and dtype)."""
+             deterministic: bool = False, place: ResultPlace | None = None) -> SyncResult:
+        """Every rank calls this with its gradient of the same tensor (same shape and dtype). A scheme
+        that can assemble its result in place asks `place` for room (schemes that cannot ignore it)."""
 
     def checkpoint(self) -> dict[str, Any]:
         """The state a sync may change (auto's trial plan, its counters), for `restore`: a step
@@ -74,16 +75,17 @@ class ExchangeScheme(Scheme):
     coalesce_input = True  # a scheme that reads the gradient another way (dense) sets False
 
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
-             deterministic: bool = False) -> SyncResult:
+             deterministic: bool = False, place: ResultPlace | None = None) -> SyncResult:
         if self.coalesce_input or ch.world_size == 1:
             grad = grad.coalesce(deterministic)
         ch.bind_device(grad.device)
         if ch.world_size == 1:
             return local_only(grad, ch, self.name)
-        return self.exchange(ch, grad, average=average, deterministic=deterministic)
+        return self.exchange(ch, grad, average=average, deterministic=deterministic, place=place)
 
     @abstractmethod
-    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
+                 place: ResultPlace | None = None) -> SyncResult:
         """The cluster-wide sum of `grad` (coalesced unless `coalesce_input` is off), n >= 2."""
 
 

@@ -13,7 +13,7 @@ import torch
 from zend.core.aggregate import sum_keyed
 from zend.core.codec import Encoding, decode_units, encode_units, read_header
 from zend.core.comm import Channel
-from zend.core.schemes.base import ExchangeScheme, SyncResult, check_finite, finish, from_peer, recv_units
+from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, check_finite, finish, from_peer, recv_units
 from zend.core.sparse import SparseGrad
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (sorted row indices, values (nnz, row_len))
@@ -47,7 +47,8 @@ class HCScheme(ExchangeScheme):
     name = "hc"
     encodings = (Encoding.COO, Encoding.BITMAP)
 
-    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
+                 place: ResultPlace | None = None) -> SyncResult:
         n, me = ch.world_size, ch.rank
         rows: Rows = (grad.indices.to(torch.int64), grad.flat_values())
         power = 1 << (n.bit_length() - 1)
@@ -79,7 +80,8 @@ class AGSparseScheme(ExchangeScheme):
 
     name = "agsparse"
 
-    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
+                 place: ResultPlace | None = None) -> SyncResult:
         n, me = ch.world_size, ch.rank
         own = encode_units(grad.indices.to(torch.int64), grad.flat_values(), grad.num_rows, (Encoding.COO,),
                            keys_sorted=True)

@@ -9,7 +9,7 @@ import torch
 from zend.core import kernels
 from zend.core.codec import CodecError
 from zend.core.comm import Channel
-from zend.core.schemes.base import ExchangeScheme, SyncResult, check_finite, from_peer
+from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, check_finite, from_peer
 from zend.core.sparse import SparseGrad
 
 # A chunk travels in pieces of about this size, so that summing piece p overlaps with the
@@ -57,7 +57,8 @@ class DenseScheme(ExchangeScheme):
     name = "dense"
     coalesce_input = False  # densifying sums duplicates itself
 
-    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
+                 place: ResultPlace | None = None) -> SyncResult:
         n, me = ch.world_size, ch.rank
         dense = _densify(grad).reshape(-1)
         count = max(1, math.ceil(dense.numel() * dense.element_size() / n / PIECE_BYTES))

@@ -34,7 +34,7 @@ from zend.core.partition import (
     RowRangePartitioner,
     ZenPartitioner,
 )
-from zend.core.schemes.base import ExchangeScheme, SyncResult, from_peer, imbalance, recv_units
+from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, from_peer, imbalance, recv_units
 from zend.core.sparse import SparseGrad
 
 BOTH = (Encoding.COO, Encoding.BITMAP)
@@ -77,7 +77,8 @@ class ParallelScheme(ExchangeScheme):
     def partitioner(self, grad: SparseGrad, world_size: int) -> Partitioner:
         raise NotImplementedError
 
-    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool) -> SyncResult:
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
+                 place: ResultPlace | None = None) -> SyncResult:
         n = ch.world_size
         parts = self.partitioner(grad, n)
         push_message, own, push_counts = self.prepare_push(parts, grad, ch.rank)
@@ -86,7 +87,7 @@ class ParallelScheme(ExchangeScheme):
         pulled, units_at_owner = self._pull(ch, parts, mine, units_in, pull_msg)
         units_per_row = self.units_per_row(parts)
         return SyncResult(
-            parts.assemble(pulled, grad),
+            parts.assemble(pulled, grad, place),
             self.name,
             ch.traffic,
             push_imbalance=imbalance(push_counts),
