@@ -206,3 +206,32 @@ def test_dense_ring_in_many_pieces_is_the_same_sum(monkeypatch, dtype, average):
     for a, b in zip(whole, pieces, strict=True):
         assert torch.equal(a.to_dense(), b.to_dense())
     assert_close_to(pieces[0].to_dense(), reference_sum(grads, average), dtype, len(grads))
+
+
+class SequencedAuto(AutoScheme):
+    """auto whose clock gives each scheme's times in turn (the last one again once they run out)."""
+
+    def __init__(self, times, **options):
+        super().__init__(seed=1, **options)
+        self.times = {name: list(seq) for name, seq in times.items()}
+
+    def checkpoint(self):
+        saved = super().checkpoint()
+        saved["times"] = {k: list(v) for k, v in self.times.items()}
+        return saved
+
+    def timed(self, name, run):
+        seq = self.times[name]
+        return run(), seq.pop(0) if len(seq) > 1 else seq[0]
+
+
+def test_auto_goes_by_each_candidates_median_not_its_luckiest_trial():
+    """A scheme that was fast once among slow trials (hc: 1, 9, 9) does not beat one that is steady
+    (zen: 3 after a cold first sync of 20, which is left out)."""
+    sparse, _ = _sparse_and_dense()
+    times = {"zen": [20.0, 3.0], "hc": [1.0, 9.0], "agsparse": [5.0], "sparse_ps": [6.0], "dense": [7.0]}
+    schemes = [SequencedAuto(times, reprofile_every=100, trials=3) for _ in range(4)]
+    ran = _auto_run([sparse] * 15, schemes)  # dense is pruned by bytes: 3 candidates x 3 trials + zen x 2
+    assert ran[0] == "zen" and ran[1:12].count("zen") == 2 and ran[1:12].count("hc") == 3
+    assert ran[12:] == ["zen"] * 3
+    assert schemes[0].agreed["zen"] == 3.0 and schemes[0].agreed["hc"] == 9.0

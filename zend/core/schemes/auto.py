@@ -11,10 +11,13 @@ times the candidates on the real tensor, links and hosts, and keeps the fastest:
    than `prune_ratio` x the fewest bytes: a scheme that far behind on the wire cannot win.
 3. Trial: the next syncs run each remaining candidate (`trials` times at the first profile,
    once at later ones), each rank timing its own syncs.
-4. Agree: after the last trial every rank sends its best time per candidate to every other
+4. Agree: after the last trial every rank sends its median time per candidate to every other
    (one tiny message per peer); each takes the maximum over ranks (the collective lasts as
    long as its slowest rank) and picks the smallest. Every rank computes the same choice from
-   the same numbers.
+   the same numbers. The median, not the best: on a busy host a scheme's times scatter, and
+   the best of a few picks whichever got lucky (at 50 Mbit/s, n = 8, it picked hc at 350 ms
+   over zen at 242). The tensor's very first sync (zen's, cold: first allocations, caches) is
+   left out where zen has a later trial.
 
 Every sync, trial or not, is an exact sum: trials cost time, never correctness. With
 `deterministic=True` auto skips the timing and picks by bytes (zen, hc or dense), so that two
@@ -24,6 +27,7 @@ One AutoScheme object per tensor.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -45,7 +49,7 @@ class AutoScheme(Scheme):
 
     name = "auto"
 
-    def __init__(self, seed: int = 0, reprofile_every: int = 100, min_slice_width: int = 8, trials: int = 2,
+    def __init__(self, seed: int = 0, reprofile_every: int = 100, min_slice_width: int = 8, trials: int = 3,
                  prune_ratio: float = 4.0):
         if reprofile_every < 1:
             raise ValueError(f"reprofile_every {reprofile_every} must be at least 1")
@@ -62,7 +66,7 @@ class AutoScheme(Scheme):
         self.profiles = 0
         self.choice = "zen"
         self.plan: list[str] = []  # trials still to run in this profile, in order
-        self.best: dict[str, float] = {}  # this rank's best time per candidate in this profile
+        self.best: dict[str, tuple[float, ...]] = {}  # this rank's times per candidate in this profile
         self.agreed: dict[str, float] = {}  # the cluster's time per candidate (max over ranks), last profile
 
     def timed(self, name: str, run: Callable[[], SyncResult]) -> tuple[SyncResult, float]:
@@ -83,7 +87,7 @@ class AutoScheme(Scheme):
         result, seconds = self.timed(name, lambda: scheme.sync(ch, grad, average=average,
                                                                deterministic=deterministic, place=place))
         if trial:
-            self.best[name] = min(seconds, self.best.get(name, float("inf")))
+            self.best[name] = (*self.best.get(name, ()), seconds)
         if profiling:
             self._plan_trials(ch, grad, result, deterministic)
         elif trial and not self.plan:
@@ -115,14 +119,14 @@ class AutoScheme(Scheme):
             candidates = [c for c in candidates if c == "zen" or self.agreed.get(c, best) <= 2 * best]
         rounds = self.trials if self.profiles == 1 else 1
         self.plan = [c for r in range(rounds) for c in candidates if not (r == 0 and c == "zen")]
-        self.best = {c: self.best.get(c, float("inf")) for c in candidates}
+        self.best = {c: self.best.get(c, ()) for c in candidates}
         if not self.plan:  # zen was the only candidate
             self.choice, self.best = "zen", {}
 
     def _agree(self, ch: Channel) -> None:
-        """Every rank's best time per candidate to every other; the max over ranks decides."""
+        """Every rank's median time per candidate to every other; the max over ranks decides."""
         names = list(self.best)
-        mine = torch.tensor([self.best[n] for n in names], dtype=torch.float64)
+        mine = torch.tensor([self._typical(n) for n in names], dtype=torch.float64)
         for j in range(ch.world_size):
             if j != ch.rank:
                 ch.send(j, "auto_times", mine.view(torch.uint8))
@@ -141,3 +145,10 @@ class AutoScheme(Scheme):
         self.agreed = dict(zip(names, slowest.tolist(), strict=True))
         self.choice = min(names, key=lambda n: (self.agreed[n], names.index(n)))
         self.best = {}
+
+    def _typical(self, name: str) -> float:
+        """This rank's median time of a candidate in this profile (inf if it never ran)."""
+        times = self.best[name]
+        if name == "zen" and self.profiles == 1 and len(times) > 1:
+            times = times[1:]  # the tensor's first sync: cold
+        return statistics.median(times) if times else float("inf")
