@@ -238,7 +238,7 @@ def test_auto_refuses_a_peers_nan_timing() -> None:
             comm = Rewrites(comm, "auto_times", lambda m: torch.full((m.numel() // 8,), float("nan"),
                                                                       dtype=torch.float64).view(torch.uint8))
         auto = AutoScheme()
-        auto.best = {"zen": 0.1, "hc": 0.2}
+        auto.best = {"zen": (0.1,), "hc": (0.2,)}
         try:
             auto._agree(Channel(comm, "s", timeout_s=20))
         except PeerMessageError as exc:

@@ -220,13 +220,19 @@ def read_header(buf: torch.Tensor) -> Header:
     return header
 
 
-def _bitmap_keys(bitmap: torch.Tensor) -> torch.Tensor:
-    """Positions of the set bits, ascending (int64)."""
+def _bitmap_keys(bitmap: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+    """Positions of the set bits, ascending (int64; at most `count` of them), and how many bits are set."""
+    if not bitmap.is_cuda and kernels.available():
+        keys = torch.empty(count, dtype=torch.int64)
+        found = kernels.bitmap_keys(bitmap.numpy(), keys.numpy())
+        return keys[: min(found, count)], found
     if not bitmap.is_cuda:
         # flatnonzero over a bool view: 4x faster than over the uint8 bits
-        return torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), bitorder="little").view(np.bool_)))
+        keys = torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), bitorder="little").view(np.bool_)))
+        return keys, keys.numel()
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
-    return ((bitmap.unsqueeze(1) >> shifts) & 1).reshape(-1).nonzero().squeeze(1)
+    keys = ((bitmap.unsqueeze(1) >> shifts) & 1).reshape(-1).nonzero().squeeze(1)
+    return keys, keys.numel()
 
 
 def decode_units(buf: torch.Tensor, unit_width: int, domain: int, dtype: torch.dtype,
@@ -259,9 +265,9 @@ def decode_units(buf: torch.Tensor, unit_width: int, domain: int, dtype: torch.d
                 raise CodecError(f"key {int(keys[bad])} at position {bad} does not ascend")
     else:
         cut = bitmap_bytes(domain)
-        keys = _bitmap_keys(body[:cut])
-        if keys.numel() != h.count or (h.count and int(keys[-1]) >= domain):
-            raise CodecError(f"bitmap has {keys.numel()} bits set in domain {domain}, header says {h.count}")
+        keys, found = _bitmap_keys(body[:cut], h.count)
+        if found != h.count or (h.count and int(keys[-1]) >= domain):
+            raise CodecError(f"bitmap has {found} bits set in domain {domain}, header says {h.count}")
     values = body[cut:].view(h.dtype).reshape(h.count, h.unit_width)
     return keys, values, h
 

@@ -169,28 +169,35 @@ def zen_scatter(rows: np.ndarray, units: np.ndarray, n: int, multiplier: int, sa
 @_jit
 def _merge_runs(keys: Any, starts: Any, union: Any, slot: Any) -> int:
     """Merge ascending runs keys[starts[r]:starts[r + 1]] into their sorted union (equal keys once);
-    slot[i] = position of keys[i] in the union. Returns the union's size. n comparisons per key:
-    for the few runs of a step (one per rank), cheaper than any table over the key space."""
+    slot[i] = position of keys[i] in the union. Returns the union's size. Each run's next key waits
+    in `heads` (an exhausted run holds the largest int64), so picking the smallest is a scan of a
+    few values already at hand: for the few runs of a step (one per rank), cheaper than any table
+    over the key space or a heap."""
     runs = starts.shape[0] - 1
+    total = starts[runs] - starts[0]
+    done = np.iinfo(np.int64).max
     pos = starts[:-1].copy()
+    heads = np.empty(runs, dtype=np.int64)
+    for r in range(runs):
+        heads[r] = keys[pos[r]] if pos[r] < starts[r + 1] else done
     count = 0
     last = -1
-    while True:
-        best = -1
-        best_key = 0
-        for r in range(runs):
-            if pos[r] < starts[r + 1]:
-                k = keys[pos[r]]
-                if best < 0 or k < best_key:
-                    best, best_key = r, k
-        if best < 0:
-            return count
+    for _ in range(total):
+        best = 0
+        best_key = heads[0]
+        for r in range(1, runs):
+            if heads[r] < best_key:
+                best, best_key = r, heads[r]
         if count == 0 or best_key != last:
             union[count] = best_key
             count += 1
             last = best_key
-        slot[pos[best]] = count - 1
-        pos[best] += 1
+        p = pos[best]
+        slot[p] = count - 1
+        p += 1
+        pos[best] = p
+        heads[best] = keys[p] if p < starts[best + 1] else done
+    return count
 
 
 @_jit
@@ -198,6 +205,37 @@ def _set_bits(bitmap: Any, keys: Any) -> None:
     for i in range(keys.shape[0]):
         k = keys[i]
         bitmap[k >> 3] |= np.uint8(1 << (k & 7))
+
+
+_DE_BRUIJN = 0x03F79D71B4CB0A89  # (2^k * this) >> 58 is distinct for every k < 64: a lowest set bit's index
+_BIT_OF = np.zeros(64, dtype=np.int64)
+for _k in range(64):
+    _BIT_OF[((_DE_BRUIJN << _k) & 0xFFFFFFFFFFFFFFFF) >> 58] = _k
+
+
+@_jit
+def _bitmap_keys(words: Any, out: Any, bit_of: Any) -> int:
+    found = 0
+    limit = out.shape[0]
+    magic = np.uint64(_DE_BRUIJN)
+    for i in range(words.shape[0]):
+        w = words[i]
+        while w:  # one turn per set bit: a zero word costs one test
+            low = w & (~w + np.uint64(1))
+            if found < limit:
+                out[found] = i * 64 + bit_of[(low * magic) >> np.uint64(58)]
+            found += 1
+            w ^= low
+    return found
+
+
+def bitmap_keys(bitmap: np.ndarray, out: np.ndarray) -> int:
+    """The set bits of a uint8 bitmap (LSB first, a whole number of 8-byte words, as the codec pads
+    it) into `out` in ascending order, as many as fit; returns how many are set. Passes over the
+    words, not the bits: 3-4x numpy's unpackbits + flatnonzero on a sparse bitmap."""
+    if bitmap.ctypes.data % 8:  # words must be aligned; a message's bitmap is (40-byte header), a stray one is copied
+        bitmap = bitmap.copy()
+    return int(_bitmap_keys(bitmap.view(np.uint64), out, _BIT_OF))
 
 
 def set_bits(bitmap: np.ndarray, keys: np.ndarray) -> None:
