@@ -261,11 +261,21 @@ def _zen_rows_of(keys: Any, part: int, n: int, s_count: int, multiplier: int, sa
     mark = present.shape[0] > 0
     for u in range(keys.shape[0]):
         k = keys[u]
-        b = k // s_count
-        s = k - b * s_count
+        if k < 0:
+            return u
+        if s_count == 1:  # whole rows: the key is the block (no division: 20-40 cycles a key)
+            b, s = k, 0
+        else:
+            b = k // s_count
+            s = k - b * s_count
         h = ((((b ^ salt) * multiplier) & _MASK32) * n) >> 32  # zend.core.hashing.SeededHash
-        row = b * n + (part + 2 * n - s - h) % n
-        if k < 0 or row >= num_rows:
+        offset = part + 2 * n - s - h  # in [2, 3n): (...) mod n by at most two subtractions
+        if offset >= n:
+            offset -= n
+        if offset >= n:
+            offset -= n
+        row = b * n + offset
+        if row >= num_rows:
             return u
         if mark:
             present[row] = 1
