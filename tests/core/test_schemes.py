@@ -235,3 +235,45 @@ def test_auto_goes_by_each_candidates_median_not_its_luckiest_trial():
     assert ran[0] == "zen" and ran[1:12].count("zen") == 2 and ran[1:12].count("hc") == 3
     assert ran[12:] == ["zen"] * 3
     assert schemes[0].agreed["zen"] == 3.0 and schemes[0].agreed["hc"] == 9.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("average", [False, True])
+def test_dense_ring_lands_in_place_where_send_copies_with_the_same_bits(monkeypatch, dtype, average):
+    """Over a communicator whose send copies (as tcp:// and ucx:// do), the allgather lands in the rank's
+    own dense copy; the bits equal the path that lands in a fresh tensor (in-process references)."""
+    import zend.core.schemes.dense as dense_scheme
+    from zend.core import Channel
+    from zend.core.comm import Communicator
+    from zend.transport.inproc import InProcessCluster
+
+    class Copying(Communicator):
+        sends_copy = True
+
+        def __init__(self, inner):
+            self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+
+        def send(self, dst, tag, payload):
+            self.inner.send(dst, tag, payload.clone())
+
+        def recv(self, src, tag, timeout_s=None):
+            return self.inner.recv(src, tag, timeout_s)
+
+    monkeypatch.setattr(dense_scheme, "PIECE_BYTES", 96)  # several pieces per chunk
+    torch.manual_seed(5)
+    grads = [SparseGrad(torch.randint(0, 203, (40,)), torch.randn(40, 5).to(dtype), 203, "g") for _ in range(4)]
+    allocated = []
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(dense_scheme.torch, "empty_like", lambda t: allocated.append(t) or real_empty_like(t))
+
+    def run(wrap):
+        return InProcessCluster(4).run(lambda rank, comm: dense_scheme.DenseScheme().sync(
+            Channel(wrap(comm), "s"), grads[rank], average=average))
+
+    fresh = run(lambda c: c)
+    assert len(allocated) == 4  # one result tensor per rank
+    in_place = run(Copying)
+    assert len(allocated) == 4  # none more: landed in place
+    for a, b in zip(fresh, in_place, strict=True):
+        assert torch.equal(a.grad.values, b.grad.values)
+    assert_close_to(in_place[0].to_dense(), reference_sum(grads) / (4 if average else 1), dtype, 4)

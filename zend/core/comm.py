@@ -59,6 +59,9 @@ class Communicator(ABC):
 
     rank: int
     world_size: int
+    # True where `send` returns only once the payload's bytes are out of it (copied to the kernel or
+    # sent): the caller may then write into it again (the dense ring lands its allgather in place)
+    sends_copy: bool = False
 
     @abstractmethod
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None: ...
@@ -140,6 +143,10 @@ class Channel:
     @property
     def world_size(self) -> int:
         return self.comm.world_size
+
+    @property
+    def sends_copy(self) -> bool:
+        return self.comm.sends_copy
 
     def _tag(self, phase: str, round_: int) -> str:
         return f"{self.sync_id}/{phase}/{round_}"

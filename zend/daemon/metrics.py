@@ -253,7 +253,7 @@ class DaemonMetrics:
 class _CountingCommunicator(Communicator):
     def __init__(self, inner: Communicator, metrics: DaemonMetrics):
         self.inner, self.metrics = inner, metrics
-        self.rank, self.world_size = inner.rank, inner.world_size
+        self.rank, self.world_size, self.sends_copy = inner.rank, inner.world_size, inner.sends_copy
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
         self.inner.send(dst, tag, payload)

@@ -119,6 +119,7 @@ class LinkTransport(Communicator):
     """Base of tcp:// and ucx://. Use: `start()`, `connect(peers)`, send/recv, `close()`."""
 
     scheme = "?"
+    sends_copy = True  # a send returns once its bytes are in the socket, or UCX completed it
 
     def __init__(self, rank: int, world_size: int, *, cluster_id: str, secret: bytes, generation: int = 0,
                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,

@@ -50,8 +50,9 @@ class DenseScheme(ExchangeScheme):
     Chunk c is summed once, along the ring, in the same order on every run, and then copied:
     every rank gets the same bits. Partial sums travel in the gradient's dtype, as in NCCL, and
     are summed in place in the rank's own dense copy (no float32 round trip for fp32).
-    A piece is never written after it was handed to `send` (the in-process transport passes
-    references), so the allgather lands in a fresh result tensor.
+    Where `send` copies (tcp://, ucx://: `Communicator.sends_copy`) the allgather lands in place,
+    in the rank's own dense copy; otherwise (the in-process transport passes references) a piece
+    handed to `send` is never written again, and the allgather lands in a fresh result tensor.
     """
 
     name = "dense"
@@ -80,10 +81,13 @@ class DenseScheme(ExchangeScheme):
             elif average:
                 piece.copy_(piece.float() / n)
             ch.send(nxt, "allgather", _as_wire(piece), p)
-        result = torch.empty_like(dense)
-        out = [_pieces(c, count) for c in torch.tensor_split(result, n)]
-        for dst, src in zip(out[owned], chunks[owned], strict=True):
-            dst.copy_(src)
+        if ch.sends_copy:  # the pieces sent are ours again: no second tensor, no copy of our own chunk
+            result, out = dense, chunks
+        else:
+            result = torch.empty_like(dense)
+            out = [_pieces(c, count) for c in torch.tensor_split(result, n)]
+            for dst, src in zip(out[owned], chunks[owned], strict=True):
+                dst.copy_(src)
         for step in range(n - 1):
             recv_c = (owned - step - 1) % n
             for p, dst in enumerate(out[recv_c]):
