@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from zend.core import dtypes, kernels
+from zend.core import dtypes
 
 VALUE_DTYPES = dtypes.TORCH_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -37,17 +37,10 @@ def ascending(keys: torch.Tensor) -> bool:
 def first_nonfinite(values: torch.Tensor) -> tuple[int, float] | None:
     """(row, value) of the first NaN or Inf of `values` (a row per leading index), or None.
 
-    One cheap pass first: on CPU float32 the compiled check (kernels.all_finite), else a sum (NaN
-    and Inf propagate into it, so a finite sum means every value is finite); a failed one (a NaN,
-    an Inf, or an overflow of the sum alone) sends us to the exact scan, which names the value or
-    finds none."""
-    if values.numel() == 0:
-        return None
-    if (values.dtype == torch.float32 and values.device.type == "cpu" and values.is_contiguous()
-            and not values.requires_grad and kernels.available()):
-        if kernels.all_finite(values.reshape(-1).numpy()):
-            return None
-    elif bool(torch.isfinite(values.sum())):
+    One cheap pass first: NaN and Inf propagate into the sum, so a finite sum means every value is
+    finite; a non-finite one (a NaN, an Inf, or an overflow of the sum alone) sends us to the exact
+    scan, which names the value or finds none."""
+    if values.numel() == 0 or bool(torch.isfinite(values.sum())):
         return None
     bad = ~torch.isfinite(values)
     if not bool(bad.any()):
