@@ -113,19 +113,19 @@ def allocate_units(kind: Encoding, count: int, unit_width: int, domain: int, dty
     return _units_in(buf, kind, count, unit_width, domain, dtype, aux)
 
 
-def allocate_many(kinds: list[Encoding], counts: list[int], unit_width: int, domains: list[int],
-                  dtype: torch.dtype, aux: int = 0) -> tuple[torch.Tensor, list[UnitsMessage], list[int]]:
-    """Several CPU units messages laid out in one buffer, each starting 8-byte aligned, headers
-    written: (the buffer, the messages, their offsets). One allocation instead of n, for a kernel
-    that fills every message in one pass over the gradient."""
-    sizes = [encoded_size(k, c, unit_width, d, dtype) for k, c, d in zip(kinds, counts, domains, strict=True)]
+def allocate_many(kinds: list[Encoding], counts: list[int], unit_width: int, domain: int, dtype: torch.dtype,
+                  aux: int = 0) -> tuple[torch.Tensor, list[UnitsMessage]]:
+    """Several CPU units messages over one domain laid out in one buffer, each starting 8-byte
+    aligned, headers written: (the buffer, the messages). One allocation instead of n, for a
+    kernel that fills every message in one pass over the gradient."""
+    sizes = [encoded_size(k, c, unit_width, domain, dtype) for k, c in zip(kinds, counts, strict=True)]
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + -(-size // 8) * 8)
     buffer = torch.empty(offsets[-1], dtype=torch.uint8)
     messages = [_units_in(buffer[at : at + size], kind, count, unit_width, domain, dtype, aux)
-                for at, size, kind, count, domain in zip(offsets, sizes, kinds, counts, domains, strict=False)]
-    return buffer, messages, offsets[:-1]
+                for at, size, kind, count in zip(offsets, sizes, kinds, counts, strict=False)]
+    return buffer, messages
 
 
 def _units_in(buf: torch.Tensor, kind: Encoding, count: int, unit_width: int, domain: int, dtype: torch.dtype,

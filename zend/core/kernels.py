@@ -40,11 +40,9 @@ def _jit_reassoc(fn: Any) -> Any:
 
 
 @_jit
-def _zen_slot0(r: Any, n: int, inv_n: float, multiplier: int, salt: int) -> tuple[Any, Any]:
-    """(partition of slice 0 of row r, its block r // n): ZenPartitioner.rotation for one row. The
-    division is a float multiply and one correction (exact for r < 2^52, FAST_DIVISION_LIMIT), and
-    the two mod-n's are compare-and-subtract: an integer division costs 20-40 cycles, and this
-    runs once per index."""
+def _block_of(r: Any, n: int, inv_n: float) -> tuple[Any, Any]:
+    """(r // n, r mod n) by a float multiply and one correction each way (exact for r < 2^52,
+    FAST_DIVISION_LIMIT): an integer division costs 20-40 cycles, and this runs once per index."""
     b = np.int64(r * inv_n)
     rem = r - b * n
     if rem < 0:
@@ -53,6 +51,14 @@ def _zen_slot0(r: Any, n: int, inv_n: float, multiplier: int, salt: int) -> tupl
     elif rem >= n:
         b += 1
         rem -= n
+    return b, rem
+
+
+@_jit
+def _zen_slot0(r: Any, n: int, inv_n: float, multiplier: int, salt: int) -> tuple[Any, Any]:
+    """(partition of slice 0 of row r, its block r // n): ZenPartitioner.rotation for one row, the
+    mod n by compare-and-subtract."""
+    b, rem = _block_of(r, n, inv_n)
     h = ((((b ^ salt) * multiplier) & _MASK32) * n) >> 32  # zend.core.hashing.SeededHash
     p = h + rem
     if p >= n:
@@ -60,7 +66,7 @@ def _zen_slot0(r: Any, n: int, inv_n: float, multiplier: int, salt: int) -> tupl
     return p, b
 
 
-FAST_DIVISION_LIMIT = 1 << 52  # rows below this divide exactly through float64 (_zen_slot0)
+FAST_DIVISION_LIMIT = 1 << 52  # rows below this divide exactly through float64 (_block_of)
 
 
 @_jit
@@ -85,12 +91,7 @@ def _zen_group(owner: Any, rows: Any, n: int, s_count: int, starts: Any, order: 
     inv_n = 1.0 / n
     u = 0
     for i in range(rows.shape[0]):
-        r = rows[i]
-        b = np.int64(r * inv_n)  # as in _zen_slot0
-        if b * n > r:
-            b -= 1
-        elif (b + 1) * n <= r:
-            b += 1
+        b, _ = _block_of(rows[i], n, inv_n)
         for s in range(s_count):
             p = owner[u]
             k = starts[p]

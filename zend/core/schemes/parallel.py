@@ -56,7 +56,7 @@ def zen_push_messages(parts: ZenPartitioner, grad: SparseGrad, allowed: tuple[En
     counts = kernels.zen_counts(rows, n, parts.hash.multiplier, parts.hash.salt).tolist()
     kinds = [Encoding.COO if j == keep else cheapest(c, width, domain, grad.dtype, allowed)
              for j, c in enumerate(counts)]
-    buffer, messages, _ = allocate_many(kinds, counts, width, [domain] * n, grad.dtype)
+    buffer, messages = allocate_many(kinds, counts, width, domain, grad.dtype)
     for m in messages:
         if m.kind is Encoding.BITMAP:
             m.index.zero_()
