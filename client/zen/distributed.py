@@ -20,11 +20,12 @@ What each op does:
 
 Tensor identity. zen synchronises named tensors, each with its own step counter. A sparse
 all_reduce is named after its group, its `zen.distributed.name(tensor, "emb")` hint if it has one,
-and otherwise its shape, dtype and device type; and its op. Its step is the number of earlier calls
-of that name. So, as with every torch backend, ranks must make the same calls in the same order;
-the backend compares the ranks' zen calls (a 128-byte allgather on the inner gloo group beside
-every zen step) and fails the call with `zen.OutOfOrder` naming both when they differ. The group
-is unusable after.
+and otherwise its shape, dtype and device type, and its op; inside a backward pass (DDP's buckets),
+the k-th call of one such shape in that pass gets `#k` added (k >= 1), so two tables of one shape
+are two zen tensors. Its step is the number of earlier calls of that name. So, as with every torch
+backend, ranks must make the same calls in the same order; the backend compares the ranks' zen
+calls (a 128-byte allgather on the inner gloo group beside every zen step) and fails the call with
+`zen.OutOfOrder` naming both when they differ. The group is unusable after.
 
 Errors: `work.wait()` raises zen's typed errors (`zen.StepAborted`, `zen.DaemonUnavailable`, ...);
 under DDP, `backward()` gets them as RuntimeError and `zen.distributed.reraise(exc)` gives the typed one.
@@ -330,6 +331,7 @@ class ZenProcessGroup(ProcessGroup):
         self._pending: set[_Call] = set()  # every call not done yet (abort fails them)
         self._calls = 0
         self._names: set[str] = set()
+        self._pass: tuple[int, dict[str, int]] = (-1, {})  # the backward pass calls came from, and its counts
         self._warned: set[str] = set()
         self._topk = TopKCompressor(self.options.topk_ratio)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"zen-pg{group_id}")
@@ -366,7 +368,7 @@ class ZenProcessGroup(ProcessGroup):
         average = op == ReduceOp.AVG
         if not self._zen_carries(first, "sparse all_reduce"):
             return self._sparse_on_gloo(tensors, average)
-        zen_name = self.prefix + _identity(first, average)
+        zen_name = self._name_of(_identity(first, average), first)
         local = first if len(tensors) == 1 else _sum_sparse(tensors)
         rows, values, num_rows = _linearise(local)
 
@@ -389,7 +391,7 @@ class ZenProcessGroup(ProcessGroup):
         average = op == ReduceOp.AVG
         local = first if len(tensors) == 1 else torch.stack(list(tensors)).sum(0)
         kind = f"topk{self.options.topk_ratio:g}" if self.dense == "topk" else "dense"
-        zen_name = self.prefix + _identity(first, average, kind)
+        zen_name = self._name_of(_identity(first, average, kind), first)
         if self.dense == "topk":
             # error feedback is this rank's own: one residual per tensor storage, so DDP's buckets
             # (persistent buffers) each keep theirs even when two have one shape, and so one name
@@ -421,6 +423,24 @@ class ZenProcessGroup(ProcessGroup):
 
         with record_function(f"zen.all_reduce[{zen_name}]"):
             return self._submit(zen_name, compute, deliver, first)
+
+    def _name_of(self, identity: str, tensor: torch.Tensor) -> str:
+        """The zen name of a call: the group's prefix and the call's identity, and, for the k-th call
+        (k >= 1) of that identity in one backward pass, `#k`. DDP makes its bucket calls inside the
+        backward pass (torch's graph task), each pass in the same order on every rank: the k-th
+        same-shaped table of a pass is the same table at every step, a zen tensor of its own, not a
+        second step of the first (the order check compares these names). Outside a backward pass,
+        and for a `name()` hint, the identity alone."""
+        task = torch._C._current_graph_task_id()
+        if task < 0 or getattr(tensor, _HINT, None) is not None:
+            return self.prefix + identity
+        with self._lock:
+            if self._pass[0] != task:
+                self._pass = (task, {})
+            counts = self._pass[1]
+            k = counts.get(identity, 0)
+            counts[identity] = k + 1
+        return self.prefix + identity + (f"#{k}" if k else "")
 
     def _submit(self, zen_name: str, compute: Callable[[], Any], deliver: Callable[[Any], list[torch.Tensor]],
                 like: torch.Tensor) -> ZenWork:
@@ -760,11 +780,14 @@ def _group(group: ProcessGroup | None) -> ZenProcessGroup:
     return pg
 
 
-def sparse_name(like: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None) -> str:
+def sparse_name(like: torch.Tensor, op: Any = ReduceOp.SUM, group: ProcessGroup | None = None,
+                occurrence: int = 0) -> str:
     """The zen tensor name of a sparse all_reduce of a gradient shaped like `like` (a parameter, say:
-    DDP reduces with SUM), for `client_of().last_stats(name)`."""
+    DDP reduces with SUM), for `client_of().last_stats(name)`; `occurrence` k for the k-th table of
+    that shape that a backward pass synchronises (DDP: in the order its buckets are reduced)."""
     sparse_dim = like.sparse_dim() if like.is_sparse else 1
-    return _group(group).prefix + _identity(like, _op_type(op) == ReduceOp.AVG, sparse_dim=sparse_dim)
+    base = _group(group).prefix + _identity(like, _op_type(op) == ReduceOp.AVG, sparse_dim=sparse_dim)
+    return base + (f"#{occurrence}" if occurrence else "")
 
 
 def reraise(cause: BaseException | None = None, group: ProcessGroup | None = None) -> None:

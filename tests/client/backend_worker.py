@@ -141,6 +141,49 @@ def ddp_matches_gloo(rank: int, world: int, gloo: dist.ProcessGroup, models: tup
     assert dense_via_zen == (os.environ.get("ZEN_DENSE_ALLREDUCE", "inner") != "inner"), names
 
 
+class TwoTables(nn.Module):
+    """word2vec-like: two tables of one shape, each row touched by few ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.center = nn.Embedding(200, 8, sparse=True)
+        self.context = nn.Embedding(200, 8, sparse=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.center(ids[:, 0]) * self.context(ids[:, 1])).pow(2).mean()
+
+
+def sparse_adam_matches_gloo(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
+    """DDP on the zen backend and on gloo, SparseAdam for the tables (it moves exactly the rows present
+    in a gradient, with momentum): the same losses at every step, 1e-6 relative, and two zen tensors."""
+    torch.manual_seed(0)
+    ours, theirs = TwoTables(), TwoTables()
+    theirs.load_state_dict(ours.state_dict())
+    runs = []
+    for model, group in ((ours, None), (theirs, gloo)):
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        tables = [model.center.weight, model.context.weight]
+        runs.append((ddp, torch.optim.SparseAdam(tables, lr=0.05), torch.optim.Adam(model.out.parameters(), lr=0.05)))
+    for step in range(10):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 200, (6, 2), generator=g)
+        losses = []
+        for ddp, sparse_opt, dense_opt in runs:
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+            loss = ddp(ids)
+            loss.backward()
+            sparse_opt.step()
+            dense_opt.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-6 * abs(losses[1]), (step, losses)
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), (n, (p - q).abs().max())
+    names = sorted(zen.distributed._group(None).last_stats())
+    print("ZEN_TENSORS " + " ".join(names), flush=True)
+
+
 def out_of_order(rank: int, world: int) -> None:
     """Rank 0 reduces a [5] tensor first, the others a [6] one: every rank gets OutOfOrder naming both."""
     shape = 5 if rank == 0 else 6
@@ -235,6 +278,8 @@ def main() -> None:
         ddp_matches_gloo(rank, world, gloo)
     elif scenario == "ddp_dense":  # ZEN_DENSE_ALLREDUCE=ring|topk: dense buckets through zend too
         ddp_matches_gloo(rank, world, gloo, (Dense,))
+    elif scenario == "sparse_adam":
+        sparse_adam_matches_gloo(rank, world, gloo)
     elif scenario == "cuda_sparse":
         cuda_sparse(rank, world, gloo)
     else:

@@ -70,6 +70,7 @@ def test_the_torch_backend_checks_the_rows_before_it_builds_the_sum() -> None:
     answer: list[Any] = [(torch.tensor([0, 7 * 3]), torch.ones(2, 2))]  # a (7, 3, 2) tensor folds to 21 rows
     group = SimpleNamespace(
         prefix="pg0.", timeout=timedelta(seconds=5), _zen_carries=lambda t, what: True,
+        _name_of=lambda identity, t: "pg0." + identity,
         client=SimpleNamespace(allreduce=lambda *a, **k: answer[0]),
         _submit=lambda name, compute, deliver, like: deliver(compute()))
     t = torch.sparse_coo_tensor(torch.tensor([[0, 6], [0, 2]]), torch.ones(2, 2), (7, 3, 2), check_invariants=True)

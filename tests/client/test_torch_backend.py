@@ -65,6 +65,27 @@ def test_dense_buckets_through_zend_when_asked_train_as_gloo(clusters, mode: str
     assert all(out.strip().endswith("OK") for out in outs), outs
 
 
+@pytest.mark.parametrize("scheme", ["auto", "zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense"])
+def test_two_tables_under_sparse_adam_train_as_on_gloo_whatever_the_scheme(tmp_path: Path, scheme: str) -> None:
+    """A word2vec-like model (two same-shaped sparse tables, SparseAdam) under DDP on the zen backend,
+    each scheme in turn on the daemons: the same losses as DDP on gloo at every step. A scheme that
+    returned rows nobody sent (zeros) would make SparseAdam move them, and the losses part. The
+    daemons see two tensors, one per table."""
+    import json
+
+    with LocalCluster(2, tmp_path, extra=[*EXTRA, "--scheme", scheme]) as c:
+        outs = launch_ranks(c, [WORKER, "sparse_adam"], "w2v", per_node=1, timeout_s=240)
+        names = {line.split()[1:] and tuple(line.split()[1:]) for out in outs for line in out.splitlines()
+                 if line.startswith("ZEN_TENSORS")}
+        assert len(names) == 1 and len(next(iter(names))) == 2, names  # every rank: the same two names
+        run = subprocess.run([sys.executable, "-m", "zend", "status", "--json", "--socket-dir", c.socket_dir(0)],
+                             capture_output=True, text=True, timeout=60, env=c.env)
+        assert run.returncode == 0, run.stderr
+        tensors = [t for t in json.loads(run.stdout)["tensors"] if t["job_id"] == "w2v"]
+    assert sorted(t["name"] for t in tensors) == sorted(next(iter(names))), tensors
+    assert all(t["steps"] == 10 for t in tensors), tensors
+
+
 def test_ranks_calling_in_different_orders_get_out_of_order_naming_both_calls(clusters) -> None:
     outs = launch_ranks(clusters(2), [WORKER, "out_of_order"], "order", per_node=1, timeout_s=120)
     assert all("OUT_OF_ORDER_OK" in out for out in outs), outs

@@ -88,8 +88,12 @@ def test_dense_ring_moves_the_textbook_volume():
     grads = [SparseGrad(torch.tensor([0]), torch.ones(1, 10), 100, "g") for _ in range(4)]
     r = run_scheme("dense", grads)[0]
     payload = 2 * 3 / 4 * 100 * 10 * 4  # 2 (n-1)/n * elements * bytes
-    assert r.traffic.bytes_sent == payload  # raw pieces: no header, both ends know the sizes
+    values = r.traffic.phases["reduce_scatter"].bytes_sent + r.traffic.phases["allgather"].bytes_sent
+    assert values == payload  # raw pieces: no header, both ends know the sizes
     assert r.traffic.phases["reduce_scatter"].messages_sent == 3
+    # beside it, the rows sent as a bitmap (13 bytes for 100 rows) around the same ring: chunks 4, 3, 3, 3
+    assert r.traffic.phases["rows"].bytes_sent == 4 + 3 + 3 + 3 + 3 + 4  # rank 0: chunks 0, 3, 2; then 1, 0, 3
+    assert r.traffic.phases["rows"].messages_sent == 6
 
 
 def test_zen_reports_imbalance_and_cluster_wide_profile():
@@ -277,3 +281,85 @@ def test_dense_ring_lands_in_place_where_send_copies_with_the_same_bits(monkeypa
     for a, b in zip(fresh, in_place, strict=True):
         assert torch.equal(a.grad.values, b.grad.values)
     assert_close_to(in_place[0].to_dense(), reference_sum(grads) / (4 if average else 1), dtype, 4)
+
+
+@st.composite
+def row_sets(draw):
+    """n = 1..4 ranks' gradients of one tensor: any row sets (some ranks empty), duplicates, and rows
+    whose values sum to an exact zero (+1 from rank 0, -1 from rank 1)."""
+    n = draw(st.integers(1, 4))
+    num_rows = draw(st.integers(1, 200))
+    row_shape = draw(st.sampled_from([(), (1,), (4,), (2, 3), (70,)]))  # 70: rows straddle omnireduce's blocks
+    dtype = draw(st.sampled_from(DTYPES))
+    rows = [draw(st.lists(st.integers(0, num_rows - 1), max_size=40)) for _ in range(n)]
+    zero_sum = sorted(draw(st.sets(st.integers(0, num_rows - 1), max_size=5))) if n >= 2 else []
+    grads = []
+    for rank, picked in enumerate(rows):
+        values = torch.randn(len(picked), *row_shape)
+        if rank < 2 and zero_sum:
+            picked = [r for r in picked if r not in zero_sum] + zero_sum
+            sign = 1.0 if rank == 0 else -1.0
+            values = torch.cat([torch.randn(len(picked) - len(zero_sum), *row_shape),
+                                torch.full((len(zero_sum), *row_shape), sign)])
+        grads.append(SparseGrad(torch.tensor(picked, dtype=torch.int64), values.to(dtype), num_rows, "g"))
+    return grads
+
+
+@pytest.mark.parametrize("scheme", ALL)
+@given(grads=row_sets())
+def test_every_scheme_returns_exactly_the_rows_sent(scheme, grads):
+    """The result's rows are the union of every rank's rows: no row nobody sent (the dense ring and
+    omnireduce densify on the way), and a row that sums to zero stays (gloo keeps it too)."""
+    sent = sorted(set().union(*(g.indices.tolist() for g in grads)))
+    expected = reference_sum(grads)
+    for r in run_scheme(scheme, grads):
+        assert r.grad.indices.tolist() == sent
+        assert r.grad.coalesced and r.grad.values.shape == (len(sent), *grads[0].row_shape)
+        assert_close_to(r.to_dense(), expected, grads[0].dtype, len(grads))
+
+
+def test_a_peers_row_bitmap_with_a_bit_past_the_tensor_fails_naming_it():
+    from zend.core import Channel
+    from zend.core.codec import PeerMessageError
+    from zend.core.comm import Communicator
+    from zend.transport.inproc import InProcessCluster
+
+    class Lying(Communicator):  # rank 1 sets bit 10 of a 10-row tensor in its bitmap
+        def __init__(self, inner):
+            self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+
+        def send(self, dst, tag, payload):
+            if self.rank == 1 and "/rows/" in tag and payload.numel() == 1:
+                payload = payload.clone() | 0b100
+            self.inner.send(dst, tag, payload)
+
+        def recv(self, src, tag, timeout_s=None):
+            return self.inner.recv(src, tag, timeout_s)
+
+    grads = [SparseGrad(torch.tensor([row]), torch.ones(1), 10, "g") for row in (0, 9)]
+
+    def run(rank, comm):
+        try:
+            make_scheme("dense").sync(Channel(Lying(comm), "s", timeout_s=2), grads[rank])
+        except PeerMessageError as exc:
+            return str(exc)
+        except CommError as exc:  # rank 1: rank 0 stopped at the bad piece (a daemon aborts the step)
+            return str(exc)
+        return "no error"
+
+    from zend.core import CommError, make_scheme
+
+    outcome = InProcessCluster(2).run(run)
+    assert "rank 1 sent rank 0 a bad rows message" in outcome[0] and "past the tensor's 10 rows" in outcome[0]
+
+
+@given(rows=st.lists(st.integers(0, 99), max_size=60), num_rows=st.integers(100, 130))
+def test_row_bitmaps_round_trip_on_the_host_and_in_torch_ops(rows, num_rows):
+    """The numpy pack (CPU) and the torch twin (CUDA tensors) give the same bytes and the same rows."""
+    from zend.core.schemes import rowset
+
+    picked = torch.tensor(rows, dtype=torch.int64)
+    host = rowset.bitmap_of(picked, num_rows)
+    assert torch.equal(host, rowset._bitmap_on_device(picked, (num_rows + 7) // 8))
+    assert rowset.rows_of(host, num_rows).tolist() == sorted(set(rows))
+    assert rowset._rows_on_device(host, num_rows).tolist() == sorted(set(rows))

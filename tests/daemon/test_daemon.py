@@ -559,3 +559,32 @@ def test_zend_cluster_in_emulated_network_namespaces():
     assert "6 trainer-steps, 0 wrong, 0 trainers failed" in run.stdout
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "zen" not in leftover, leftover
+
+
+@pytest.mark.parametrize("scheme", ["dense", "auto"])
+def test_every_node_gets_exactly_the_rows_sent_whatever_the_scheme(fresh_cluster, scheme):
+    """Two nodes x two trainers send rows {0, 3, 5} / {3} and {7} / {} of an 8-row tensor (row 3 sums
+    to zero): every trainer gets rows 0, 3, 5, 7 back, not the tensor's 8, at every step; auto's trials
+    on the first steps run every candidate, the dense ring among them (a tensor this small is not pruned)."""
+    c = fresh_cluster(2, extra=["--scheme", scheme, "--log-format", "text", "--step-timeout-s", "30"])
+    sent = {(0, 0): ([0, 3, 5], [1.0, 2.0, 1.0]), (0, 1): ([3], [-2.0]), (1, 0): ([7], [5.0]), (1, 1): ([], [])}
+
+    def trainer(node: int, local: int) -> tuple[list[SparseGrad], set[str]]:
+        rows, values = sent[(node, local)]
+        with TrainerSession(c.socket_dir(node), "rows", c.token("rows"), local, 2, timeout_s=30) as link:
+            h = link.register("w", (8, 4))
+            grad = SparseGrad(torch.tensor(rows, dtype=torch.int64), torch.tensor(values).unsqueeze(1).repeat(1, 4), 8)
+            outs, ran = [], set()
+            for step in range(16):
+                outs.append(link.allreduce(h, grad, step))
+                ran.add(h.last_reply.scheme)
+            return outs, ran
+
+    results = run_all([lambda n=n, r=r: trainer(n, r) for n in range(2) for r in range(2)])
+    for got in results:
+        assert not isinstance(got, BaseException), got
+        outs, ran = got
+        assert ("auto:dense" in ran) if scheme == "auto" else ran == {"dense"}, ran
+        for out in outs:
+            assert out.indices.tolist() == [0, 3, 5, 7]
+            assert out.values[:, 0].tolist() == [1.0, 0.0, 1.0, 5.0]

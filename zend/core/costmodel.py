@@ -13,7 +13,7 @@ one bit per row of the domain.
 - Hierarchical centralization (recursive doubling), log2(n) rounds, round k sending the sum of
   2^(k-1) ranks: sum_k rows_k * row_bytes + min(rows_k * index_bytes, M / 8),
   rows_k = min(M, mean_rows * gamma(2^(k-1))), gamma(m) = m^alpha fitted to gamma_n.
-- Dense ring allreduce: 2 * (n-1)/n * M * row_bytes.
+- Dense ring allreduce: 2 * (n-1)/n * M * (row_bytes + 1/8) (values, and a bit per row: the rows sent).
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def dense_ring_bytes(world_size: int, tensor_bytes: int) -> int:
 
 
 def bytes_dense(p: Profile) -> float:
-    return float(dense_ring_bytes(p.world_size, p.num_rows * p.row_bytes))
+    """The ring of values, and the ring of row bitmaps that keeps the rows sent (schemes.rowset)."""
+    return float(dense_ring_bytes(p.world_size, p.num_rows * p.row_bytes) + dense_ring_bytes(p.world_size,
+                                                                                             (p.num_rows + 7) // 8))
 
 
 def bytes_allgather(p: Profile) -> float:

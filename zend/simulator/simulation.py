@@ -120,7 +120,7 @@ def simulate(trace: TokenTrace, world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES
             results = {name: run_scheme_steps(name, grads, seed) for name in schemes}
         else:
             results = {name: model_scheme_steps(name, row_sets, trace.vocab, dim, dtype, seed) for name in schemes}
-        dense_bytes = costmodel.bytes_dense(profile)
+        dense_bytes = costmodel.dense_ring_bytes(n, trace.vocab * row_bytes)  # a plain dense allreduce's
         for name, reports in results.items():
             recv = sum(max(r.bytes_recv for r in step) for step in reports) / steps
             sent = sum(max(r.bytes_sent for r in step) for step in reports) / steps

@@ -105,7 +105,11 @@ def omnireduce_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_ro
     parts = BlockRangePartitioner(num_rows, row_len, n, block)
     counts = np.stack([_range_counts(parts, _touched_blocks(parts, r)) for r in row_sets])
     owned = _range_counts(parts, _touched_blocks(parts, union))
-    return _parallel(counts, owned, block, [parts.domain_size(j) for j in range(n)], dtype, COO_ONLY, "omnireduce")
+    traffic = _parallel(counts, owned, block, [parts.domain_size(j) for j in range(n)], dtype, COO_ONLY, "omnireduce")
+    rows = rows_traffic(n, num_rows)  # the ring that cuts the result to the rows sent
+    traffic.sent += rows
+    traffic.recv += np.roll(rows, 1)
+    return traffic
 
 
 def agsparse_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
@@ -148,14 +152,23 @@ def hc_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtyp
     return Traffic(sent, recv, "hc")
 
 
-def dense_traffic(n: int, num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
-    """Ring reduce-scatter + allgather in raw pieces: rank me sends chunk (me - s) in reduce-scatter
-    step s and chunk (me + 1 - s) in allgather step s, and receives its predecessor's."""
-    elements = num_rows * row_len
+def _ring_allreduce_sent(n: int, elements: int, item: int) -> np.ndarray:
+    """Bytes each rank sends in a ring reduce-scatter + allgather of `elements` items in raw pieces:
+    rank me sends chunk (me - s) in reduce-scatter step s and chunk (me + 1 - s) in allgather step s."""
     chunk = np.array([c.numel() for c in torch.tensor_split(torch.empty(elements, dtype=torch.uint8), n)])
-    item = torch.empty(0, dtype=dtype).element_size()
-    sent = np.array([sum(int(chunk[(me - s) % n]) + int(chunk[(me + 1 - s) % n]) for s in range(n - 1))
+    return np.array([sum(int(chunk[(me - s) % n]) + int(chunk[(me + 1 - s) % n]) for s in range(n - 1))
                      for me in range(n)], dtype=np.int64) * item
+
+
+def rows_traffic(n: int, num_rows: int) -> np.ndarray:
+    """The row bitmaps' ring OR (zend.core.schemes.rowset) of the schemes that densify: bytes sent per rank."""
+    return _ring_allreduce_sent(n, (num_rows + 7) // 8, 1)
+
+
+def dense_traffic(n: int, num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+    """The ring of raw pieces, and the row bitmaps' ring before it."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    sent = _ring_allreduce_sent(n, num_rows * row_len, item) + rows_traffic(n, num_rows)
     return Traffic(sent, np.roll(sent, 1), "dense")
 
 

@@ -9,6 +9,7 @@ import torch
 from zend.core import kernels
 from zend.core.codec import CodecError
 from zend.core.comm import Channel
+from zend.core.schemes import rowset
 from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, check_finite, from_peer
 from zend.core.sparse import SparseGrad
 
@@ -53,6 +54,8 @@ class DenseScheme(ExchangeScheme):
     Where `send` copies (tcp://, ucx://: `Communicator.sends_copy`) the allgather lands in place,
     in the rank's own dense copy; otherwise (the in-process transport passes references) a piece
     handed to `send` is never written again, and the allgather lands in a fresh result tensor.
+    The result holds exactly the rows some rank sent (`rowset`: their bitmaps OR-reduced around the
+    same ring first), not every row of the tensor.
     """
 
     name = "dense"
@@ -61,6 +64,7 @@ class DenseScheme(ExchangeScheme):
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
                  place: ResultPlace | None = None) -> SyncResult:
         n, me = ch.world_size, ch.rank
+        rows = rowset.union_rows(ch, grad)
         dense = _densify(grad).reshape(-1)
         count = max(1, math.ceil(dense.numel() * dense.element_size() / n / PIECE_BYTES))
         chunks = [_pieces(c, count) for c in torch.tensor_split(dense, n)]
@@ -96,9 +100,10 @@ class DenseScheme(ExchangeScheme):
                 if step < n - 2:  # forward the bytes as they came
                     ch.send(nxt, "allgather", got, (step + 1) * count + p)
         ch.note_encoding("allgather", "DENSE")
-        return SyncResult(SparseGrad(torch.arange(grad.num_rows, device=result.device),
-                                     result.reshape(grad.dense_shape), grad.num_rows, grad.name, True),
-                          self.name, ch.traffic)
+        values = result.reshape(grad.dense_shape)
+        if rows.numel() < grad.num_rows:
+            values = values.index_select(0, rows)
+        return SyncResult(SparseGrad(rows, values, grad.num_rows, grad.name, True), self.name, ch.traffic)
 
 
 def _densify(grad: SparseGrad) -> torch.Tensor:

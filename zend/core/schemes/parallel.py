@@ -34,6 +34,7 @@ from zend.core.partition import (
     RowRangePartitioner,
     ZenPartitioner,
 )
+from zend.core.schemes import rowset
 from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, from_peer, imbalance, recv_units
 from zend.core.sparse import SparseGrad
 
@@ -221,7 +222,9 @@ class SparsePSScheme(ParallelScheme):
 
 
 class OmniReduceScheme(ParallelScheme):
-    """Even ranges of 256-element blocks; non-zero blocks only; one-shot sum at the owner."""
+    """Even ranges of 256-element blocks; non-zero blocks only; one-shot sum at the owner. A block
+    carries every row it overlaps, sent or not, so the result is cut to the rows some rank sent
+    (`rowset`: their bitmaps OR-reduced around a ring)."""
 
     name = "omnireduce"
     encodings = COO_ONLY
@@ -231,3 +234,10 @@ class OmniReduceScheme(ParallelScheme):
 
     def partitioner(self, grad: SparseGrad, world_size: int) -> BlockRangePartitioner:
         return BlockRangePartitioner(grad.num_rows, grad.row_len, world_size, self.block)
+
+    def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
+                 place: ResultPlace | None = None) -> SyncResult:
+        rows = rowset.union_rows(ch, grad)
+        result = super().exchange(ch, grad, average=average, deterministic=deterministic, place=place)
+        result.grad = rowset.restrict(result.grad, rows)
+        return result
