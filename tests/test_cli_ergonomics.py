@@ -53,7 +53,7 @@ print(json.dumps({"out": out.getvalue(), "heavy": heavy}))
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--help"], "{simulate,serve,status,health,store,token,cluster}"),
+    (["--help"], "{simulate,serve,status,health,store,secret,token,cluster}"),
     (["--version"], "zend "),
     (["token", "--job", "j"], ""),
     (["token", "--operator"], ""),
@@ -269,3 +269,29 @@ def test_status_of_a_node_with_20000_tensors_stays_within_the_cli_reply_limit():
     table = format_status(reply)
     assert f"tensors ({MAX_STATUS_ROWS} of 20000 shown)" in table
     assert f"sessions ({MAX_STATUS_ROWS} of 5000 shown)" in table
+
+
+def test_zend_secret_makes_a_random_secret_that_every_command_reads_and_no_weakness_is_logged(tmp_path):
+    from zend.daemon.jobs import job_token
+    from zend.daemon.secret import decode
+
+    printed = zend("secret", env=env_without(SECRET_ENV, SECRET_FILE_ENV))
+    assert printed.returncode == 0, printed.stderr
+    text = printed.stdout.strip()
+    assert text.startswith("zen1.") and len(decode(text.encode(), "test")) == 32
+    assert zend("secret").stdout.strip() != text  # random each time
+    path = tmp_path / "secret"
+    assert zend("secret", "--out", str(path)).returncode == 0
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    again = zend("secret", "--out", str(path))
+    assert again.returncode == 2 and "cannot create" in again.stderr  # never overwrites a secret
+    token = zend("token", "--job", "j", env=env_without(SECRET_ENV, **{SECRET_FILE_ENV: str(path)}))
+    assert token.returncode == 0 and "weak" not in token.stderr, token.stderr
+    assert token.stdout.strip() == job_token(decode(path.read_bytes().strip(), "test"), "j")
+
+
+def test_a_printable_passphrase_is_logged_as_weak_and_still_works() -> None:
+    """A 23-character dictionary secret fell to an offline guess in 0.06 s (issue 32)."""
+    weak = zend("token", "--job", "j", env=env_without(SECRET_FILE_ENV, **{SECRET_ENV: "correct horse battery staple"}))
+    assert weak.returncode == 0 and len(weak.stdout.strip()) == 64
+    assert "weak cluster secret" in weak.stderr, weak.stderr

@@ -35,6 +35,7 @@ from zend.daemon.membership import (
 from zend.transport.handshake import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
+SECRET = b"membership-test-secret-0123456789"
 PEERS = ["tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000", "ucx://10.0.0.3:7001", "tcp://10.0.0.4:7000"]
 
 # One launcher imports torch once and forks a rank process per pair of pipe fds (argv[1]); each
@@ -53,7 +54,8 @@ def serve(fd_in, fd_out):
             start = time.monotonic()
             try:
                 m = rendezvous(cmd["host"], cmd["port"], cmd["rank"], cmd["world_size"], cmd["uri"],
-                               cluster_id=cmd["cluster_id"], agreed=cmd["agreed"], timeout_s=cmd["timeout_s"])
+                               cluster_id=cmd["cluster_id"], agreed=cmd["agreed"], timeout_s=cmd["timeout_s"],
+                               secret=bytes.fromhex(cmd["secret"]))
                 result = {"membership": dataclasses.asdict(m)}
             except Exception as exc:
                 result = {"error": type(exc).__name__, "message": str(exc)}
@@ -175,7 +177,7 @@ def commands(ranks: list[int], world_size: int, timeout_s: float, **per_rank: An
         out[i] = {"host": "127.0.0.1", "port": port, "rank": rank, "world_size": world_size,
                   "uri": per_rank.get("uri", {}).get(rank, f"tcp://127.0.0.1:{7100 + rank}"),
                   "agreed": per_rank.get("agreed", {}).get(rank, {"hash_seed": 1, "scheme": "zen"}),
-                  "cluster_id": cluster, "timeout_s": timeout_s}
+                  "cluster_id": cluster, "timeout_s": timeout_s, "secret": SECRET.hex()}
     return out
 
 
@@ -262,7 +264,7 @@ def test_one_rank_rendezvous_hosts_and_closes_its_store() -> None:
     port = free_port()
     for _ in range(2):  # the port is free again: the store was closed, and a fresh one starts at 1
         m = rendezvous("127.0.0.1", port, 0, 1, "tcp://127.0.0.1:7000", cluster_id="solo",
-                       agreed={"hash_seed": 1}, timeout_s=10)
+                       agreed={"hash_seed": 1}, secret=SECRET, timeout_s=10)
         assert m.generation == 1
         assert m.peers == {0: "tcp://127.0.0.1:7000"}
         assert m.agreed == {"hash_seed": 1, "protocol_version": PROTOCOL_VERSION}
@@ -271,11 +273,11 @@ def test_one_rank_rendezvous_hosts_and_closes_its_store() -> None:
 
 def test_rendezvous_checks_its_arguments_before_the_network() -> None:
     with pytest.raises(MembershipError, match="rank 1 my_uri: transport URI 'tcp://nowhere'"):
-        rendezvous("127.0.0.1", 1, 1, 2, "tcp://nowhere", cluster_id="c", agreed={})
+        rendezvous("127.0.0.1", 1, 1, 2, "tcp://nowhere", cluster_id="c", agreed={}, secret=SECRET)
     with pytest.raises(MembershipError, match="store_port=0"):
-        rendezvous("127.0.0.1", 0, 1, 2, "tcp://h:1", cluster_id="c", agreed={})
+        rendezvous("127.0.0.1", 0, 1, 2, "tcp://h:1", cluster_id="c", agreed={}, secret=SECRET)
     with pytest.raises(MembershipError, match="timeout_s=0"):
-        rendezvous("127.0.0.1", 1, 1, 2, "tcp://h:1", cluster_id="c", agreed={}, timeout_s=0)
+        rendezvous("127.0.0.1", 1, 1, 2, "tcp://h:1", cluster_id="c", agreed={}, secret=SECRET, timeout_s=0)
 
 
 # --- rendezvous across processes -----------------------------------------------------------------

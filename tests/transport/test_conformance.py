@@ -83,12 +83,15 @@ def test_the_transport_reports_what_it_uses(mesh8, scheme):
         assert used == {"tcp"}
 
 
-def _refused(processes: RankProcesses, field: str, **override) -> Rank:  # type: ignore[no-untyped-def]
-    """A bad rank 1 dials a good rank 0 and is refused naming `field`; the good rank is returned."""
+def _refused(processes: RankProcesses, field: str, hidden: str | None = None,  # type: ignore[no-untyped-def]
+             **override) -> Rank:
+    """A bad rank 1 dials a good rank 0 and is refused naming `field`, and not saying `hidden` (the good
+    rank's value); the good rank is returned."""
     launched = processes.launch(0, 2), processes.launch(1, 2, **override)
     good, bad = (processes.ready(r, proc, "127.0.0.1") for r, proc in enumerate(launched))
-    with pytest.raises(RemoteError, match=field):
+    with pytest.raises(RemoteError, match=field) as refusal:
         bad.call("connect", peers={"0": list(good.address), "1": list(bad.address)}, timeout_s=3)
+    assert hidden is None or hidden not in str(refusal.value), refusal.value
     return good
 
 
@@ -97,20 +100,24 @@ def test_wrong_secret_is_refused_and_the_right_one_still_gets_in(processes):
     processes.let_in(good, seed=3)
 
 
+# The refused side is told the field and its own value, never the value expected (issue 32: a stranger
+# learnt the real cluster id from a refusal); the refusing side logs both.
 def test_version_mismatch_is_refused_naming_the_field(processes):
-    _refused(processes, "protocol version 2 != 3", protocol_version=2)
+    _refused(processes, "refused: protocol version 2 is not this cluster's", hidden=" 3", protocol_version=2)
 
 
 def test_security_mismatch_is_refused_naming_the_field(processes):
-    _refused(processes, "data-plane security 'none' != 'aead'", security="none")
+    _refused(processes, "refused: data-plane security 'none' is not this cluster's", hidden="aead", security="none")
 
 
-def test_cluster_id_mismatch_is_refused_naming_the_field(processes):
-    _refused(processes, "cluster id 'other' != 'test'", cluster_id="other")
+def test_cluster_id_mismatch_is_refused_naming_the_field_but_not_the_real_id(processes):
+    good = _refused(processes, "refused: cluster id 'other' is not this cluster's", hidden="'test'",
+                    cluster_id="other")
+    processes.let_in(good, seed=4)
 
 
 def test_generation_mismatch_is_refused_naming_the_field(processes):
-    _refused(processes, "membership generation 7 != 0", generation=7)
+    _refused(processes, "refused: membership generation 7 is not this cluster's", hidden="generation 0", generation=7)
 
 
 def test_garbage_on_the_socket_is_refused_and_others_are_served(processes):

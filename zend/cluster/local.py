@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from typing import Any
 import grpc
 
 from zend.daemon.jobs import job_token, operator_token
+from zend.daemon.secret import decode, new_secret
 from zend.protocol import paths
 from zend.protocol.health import health_status
 
@@ -37,7 +37,8 @@ class LocalCluster:
 
     def __init__(self, nodes: int, workdir: str | Path, *, transport: str = "tcp", emulated: Any = None,
                  metrics: bool = True, rendezvous: bool = False, elastic: bool = False, extra: Sequence[str] = (),
-                 env: dict[str, str] | None = None, ready_timeout_s: float = 60.0):
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 60.0, store_extra: Sequence[str] = (),
+                 node_extra: dict[int, Sequence[str]] | None = None):
         if nodes < 1:
             raise ValueError(f"nodes {nodes} must be at least 1")
         self.nodes, self.workdir = nodes, Path(workdir)
@@ -45,10 +46,11 @@ class LocalCluster:
         self.ready_timeout_s = ready_timeout_s
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.secret_file = self.workdir / "cluster.secret"
-        self.secret = secrets.token_hex(24).encode()
+        text = new_secret()  # `zend secret`'s format, as an operator makes it
+        self.secret = decode(text.encode(), "LocalCluster")  # the key bytes the daemons derive tokens from
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.secret)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         hosts = [emulated.address(i) if emulated else "127.0.0.1" for i in range(nodes)]
         ports = [7000 if emulated else free_port() for _ in range(nodes)]
         self.peers = [f"{transport}://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
@@ -58,6 +60,8 @@ class LocalCluster:
         self.elastic = elastic
         self.store = f"{hosts[0]}:{free_port() if not emulated else 29500}" if rendezvous or elastic else ""
         self.store_proc: subprocess.Popen[bytes] | None = None
+        self.store_extra = list(store_extra)  # more flags of `zend store` (elastic)
+        self.node_extra = {n: list(flags) for n, flags in (node_extra or {}).items()}  # flags of one node only
         self.env = {**os.environ, **(env or {}), "ZEN_CLUSTER_SECRET_FILE": str(self.secret_file)}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -82,7 +86,7 @@ class LocalCluster:
         return [sys.executable, "-m", "zend", "serve", "--rank", str(node), "--world-size", str(self.nodes),
                 *membership, "--transport", self.transport,
                 "--socket-dir", self.socket_dir(node), "--metrics-port", str(self.metrics_ports[node]),
-                "--metrics-host", "127.0.0.1", *self.extra]
+                "--metrics-host", "127.0.0.1", *self.extra, *self.node_extra.get(node, [])]
 
     def _popen(self, argv: list[str], host: int, log_path: Path) -> subprocess.Popen[bytes]:
         """A process of the cluster in a session of its own, in host's namespace when emulated, logging to log_path."""
@@ -98,7 +102,8 @@ class LocalCluster:
 
     def start_store(self) -> None:
         """The elastic rendezvous store, in its own process (in node 0's namespace when emulated)."""
-        self.store_proc = self._popen([sys.executable, "-m", "zend", "store", "--listen", self.store], 0,
+        self.store_proc = self._popen([sys.executable, "-m", "zend", "store", "--listen", self.store,
+                                       *self.store_extra], 0,
                                       self.workdir / "store.log")
         host, _, port = self.store.rpartition(":")
         deadline = time.monotonic() + 30

@@ -1,10 +1,12 @@
-"""`zend serve`, `zend status`, `zend health`, `zend token`: the daemon's commands, for zend.cli."""
+"""`zend serve`, `zend status`, `zend health`, `zend store`, `zend secret`, `zend token`: the daemon's
+commands, for zend.cli."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -90,8 +92,20 @@ def add_commands(sub: Any) -> None:
     store = sub.add_parser("store", help="host the rendezvous store of an elastic cluster (--elastic 1)",
                            description="Host torch's TCPStore that the rounds of an elastic zen cluster live in; "
                                        "it must outlive every daemon (run it beside the cluster, not in a node).")
-    store.add_argument("--listen", required=True, metavar="HOST:PORT")
+    store.add_argument("--listen", required=True, metavar="HOST:PORT",
+                       help="the address to listen on, and only that one (0.0.0.0 for every interface)")
+    store.add_argument("--max-memory-bytes", type=int, default=2 << 30,
+                       help="memory the store may take for what clients write (default 2 GiB); past it the store "
+                            "process ends, to be restarted by its supervisor: the daemons' running generations do "
+                            "not need it, and they write their round back into a store that restarted empty")
     store.set_defaults(run=cmd_store)
+    secret = sub.add_parser("secret", help="print a new random cluster secret (or write it to a file, mode 0600)",
+                            description="Make a cluster secret: 32 random bytes, printed as one line starting with "
+                                        "'zen1.'. Give every node the same one (--secret-file, "
+                                        "$ZEN_CLUSTER_SECRET_FILE or $ZEN_CLUSTER_SECRET).")
+    secret.add_argument("--out", default=None, metavar="FILE",
+                        help="write it to FILE (created with mode 0600; an existing file is refused)")
+    secret.set_defaults(run=cmd_secret)
     token = sub.add_parser("token", help="print a job's token (what its trainers present to the daemon), or the "
                                          "operator token (zend status, Drain, Undrain)")
     which = token.add_mutually_exclusive_group(required=True)
@@ -323,20 +337,76 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_store(args: argparse.Namespace) -> int:
     import threading
 
+    import torch.distributed  # noqa: F401  (before the cap: what the store's clients write is what it bounds)
+
     from zend.daemon.elastic import serve_store
 
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         print(f"zend store: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    if args.max_memory_bytes <= 0:
+        print(f"zend store: --max-memory-bytes {args.max_memory_bytes} must be positive", file=sys.stderr)
+        return 2
+    limit = cap_memory(args.max_memory_bytes)
+    stop, full = threading.Event(), []
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def watch() -> None:
+        """Past 90% of the cap: at the cap the store drops writers but keeps what it holds, so end it here,
+        and the supervisor's restart frees the memory (the daemons write their round back)."""
+        while not stop.wait(1.0):
+            if data_bytes() > limit - 0.1 * args.max_memory_bytes:
+                full.append(data_bytes() - (limit - args.max_memory_bytes))
+                stop.set()
+
+    threading.Thread(target=watch, name="memory", daemon=True).start()
     try:
         serve_store(host, int(port), stop, ready=lambda: print(f"zend store: serving on {args.listen}", flush=True))
     except Exception as exc:
         print(f"zend store: cannot serve on {args.listen}: {exc}", file=sys.stderr)
         return 1
+    if full:
+        print(f"zend store: what clients wrote takes {full[0]} bytes, over 90% of --max-memory-bytes "
+              f"{args.max_memory_bytes}: exiting so that a restart frees it", file=sys.stderr)
+        return 3
+    return 0
+
+
+def data_bytes() -> int:
+    """This process's data segment (heap and private mappings), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmData:")) * 1024
+
+
+def cap_memory(extra_bytes: int) -> int:
+    """Let this process's data grow by `extra_bytes` at most (RLIMIT_DATA): a store's memory is whatever its
+    clients write, and a stranger who reaches it can write without end. Returns the limit."""
+    import resource
+
+    limit = data_bytes() + extra_bytes
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    return limit
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    from zend.daemon.secret import new_secret
+
+    text = new_secret()
+    if args.out is None:
+        print(text)
+        return 0
+    try:
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        print(f"zend secret: cannot create {args.out}: {exc}", file=sys.stderr)
+        return 2
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
     return 0
 
 

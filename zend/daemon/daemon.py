@@ -28,7 +28,7 @@ from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
-from zend.daemon.grpc_server import GrpcServers, Registration
+from zend.daemon.grpc_server import NETWORK_LISTENER_OPTIONS, GrpcServers, Registration
 from zend.daemon.jobs import JobRegistry, Session, operator_token
 from zend.daemon.membership import Membership, MembershipError, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
@@ -80,6 +80,7 @@ class Daemon:
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
         self.last_change = ("", 0.0)  # (what made the current generation, unix time)
         self._down_since: dict[int, float] = {}  # member -> when its link went down (scale-in)
+        self._reached_at: dict[int, float] = {}  # --rank -> when this node last had a link up to it
         self.job_steps: dict[str, int] = {}  # job -> its step when this generation formed (--elastic)
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
@@ -89,6 +90,7 @@ class Daemon:
     def start(self) -> Daemon:
         s = self.settings
         make_undumpable()  # before the first buffer exists
+        raise_descriptor_limit()
         os.makedirs(s.socket_dir, mode=0o750, exist_ok=True)
         self.buffers.start()
         self._start_grpc()
@@ -141,9 +143,11 @@ class Daemon:
             if s.grpc_listen_trainers:
                 log.warning("the Trainer service is served on TCP too: job tokens cross the network in clear",
                             extra={"event": "trainers_on_tcp", "address": s.grpc_listen})
-            self._grpc_server(s.grpc_listen, operator, trainer if s.grpc_listen_trainers else None)
+            self._grpc_server(s.grpc_listen, operator, trainer if s.grpc_listen_trainers else None,
+                              NETWORK_LISTENER_OPTIONS)
 
-    def _grpc_server(self, address: str, operator: OperatorService, trainer: TrainerService | None) -> None:
+    def _grpc_server(self, address: str, operator: OperatorService, trainer: TrainerService | None,
+                     options: tuple[tuple[str, Any], ...] = ()) -> None:
         """A started gRPC server on `address` with the Operator service, health, reflection and, if
         given, the Trainer service; OSError if the address will not bind."""
         assert self.grpc is not None
@@ -154,7 +158,7 @@ class Daemon:
         served = [n for n in SERVICES if trainer is not None or n != "zen.v1.Trainer"]
         self.grpc.serve(address, services, (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name
                                               for n in served),
-                                            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+                                            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), options)
 
     def _set_health(self, status: Any) -> None:
         """Every service's health, set on the servers' loop (the servicer's own); nothing once they stopped."""
@@ -185,13 +189,14 @@ class Daemon:
             if s.elastic:
                 self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
                                                  agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
-                                                 timeout_s=s.connect_timeout_s, min_nodes=s.min_nodes)
+                                                 timeout_s=s.connect_timeout_s, secret=self.secret,
+                                                 min_nodes=s.min_nodes)
                 self.last_change = ("joined", time.time())
                 m = self.elastic.join()
                 self.job_steps.update(m.job_steps)  # a restarted node learns where its jobs are
                 return m
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
-                              timeout_s=s.connect_timeout_s)
+                              secret=self.secret, timeout_s=s.connect_timeout_s)
         if not s.peers:  # one node: no data plane
             return Membership(0, 1, {}, s.generation, s.cluster_id, s.agreed(), "static")
         return static_membership(s.rank, s.world_size, list(s.peers), cluster_id=s.cluster_id, agreed=s.agreed(),
@@ -262,8 +267,10 @@ class Daemon:
         assert self.elastic is not None
         complained = 0.0
         while not self._stopped.wait(0.5):
+            self._note_reached()
             try:
                 waiting = self.elastic.waiting()
+                intact = self.elastic.round_intact()
             except MembershipError as exc:  # the store is gone: keep serving this generation, say so
                 if time.monotonic() - complained > 30:
                     log.warning("membership store unreachable", extra={"event": "membership_store", "error": str(exc)})
@@ -273,6 +280,10 @@ class Daemon:
                 return
             if waiting:
                 self._regenerate(f"{waiting} node(s) waiting to join generation {self.membership.generation}")
+                continue
+            if not intact:  # deleted, overwritten or reset: the members form the next round together
+                self._regenerate(f"the rendezvous state no longer holds generation {self.membership.generation}'s "
+                                 "round (the store lost or refused it)")
                 continue
             # A node that stood still (SIGSTOP) long enough for the rendezvous to drop it from the round
             # goes on in its generation once its links are back (0.3-0.4 s, benchmarks/fault_recovery.py):
@@ -302,11 +313,35 @@ class Daemon:
         return "node(s) " + ", ".join(f"--rank {members[j]}" for j in gone) + \
             f" lost for {self.elastic.dead_after_s:g} s"
 
+    def _note_reached(self) -> None:
+        """When this node last had a link up to each member (by --rank): what a smaller generation is
+        checked against."""
+        transport, now = self.transport, time.monotonic()
+        members = self.membership.members or tuple(range(self.membership.world_size))
+        for p in transport.peer_states() if transport is not None else []:
+            if p.connected and p.rank < len(members):
+                self._reached_at[members[p.rank]] = now
+
+    def _leaves_out_a_live_node(self, old: Membership, new: Membership) -> str | None:
+        """Why `new` may not stand: it leaves out a member of `old` that this node reached over the sealed
+        data plane less than the rendezvous' dead time ago (the store alone never excludes a node its
+        peers reach); None if every node left out has been out of reach that long."""
+        assert self.elastic is not None
+        before = set(old.members or range(old.world_size))
+        now, dead_after = time.monotonic(), self.elastic.dead_after_s
+        reached = sorted(r for r in before - set(new.members)
+                         if now - self._reached_at.get(r, float("-inf")) < dead_after)
+        if not reached:
+            return None
+        return (f"generation {new.generation} leaves out --rank {', '.join(map(str, reached))}, which this node "
+                f"reached less than {dead_after:g} s ago: waiting for it to join")
+
     def _regenerate(self, why: str) -> None:
         """Leave this generation and form the next: steps of this one abort everywhere (their links
         close), every tensor is agreed on again, and the new links carry the new generation."""
         assert self.elastic is not None
         s, old = self.settings, self.membership
+        self._note_reached()
         log.warning("membership changing", extra={"event": "membership_change", "generation": old.generation,
                                                    "reason": why})
         with self._health_lock:
@@ -319,7 +354,11 @@ class Daemon:
         self.registry.new_generation(self.new_scheme)
         while not self._stopped.is_set():
             try:
-                self.membership = self.elastic.join(self.job_steps)
+                joined = self.elastic.join(self.job_steps)
+                refused = self._leaves_out_a_live_node(old, joined)
+                if refused is not None:
+                    raise MembershipError(refused)
+                self.membership = joined
                 if self._stopped.is_set():
                     return
                 self._start_data_plane()
@@ -454,6 +493,23 @@ class Daemon:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stopped.wait(timeout_s)
+
+
+def raise_descriptor_limit() -> None:
+    """The soft limit on open descriptors up to the hard one: every trainer, buffer, peer link and
+    listener connection takes one, and the common soft default (1024) is what a flood exhausts first."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit", extra={"event": "rlimit", "soft": soft, "hard": hard,
+                                                                    "error": str(exc)})
+    log.info("descriptor limit", extra={"event": "rlimit", "soft": soft, "hard": hard})
 
 
 PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4  # <linux/prctl.h>

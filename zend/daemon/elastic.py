@@ -12,29 +12,43 @@ refused by the data-plane handshake, which carries the generation.
 The store must outlive any one daemon (`zend store`, or torchrun's agent store): a round needs
 it. zen ranks are the daemons' own (`--rank`), not the handler's (it sorts by host and pid,
 which changes on a restart); two daemons claiming one rank in a round are refused.
+
+Nothing read from the store is trusted unless a member sealed it (store_seal.py): torch's state
+blob (a pickle) reaches the handler only with a valid MAC, and members' entries are MACed and
+parsed to an exact schema (member_entry.py). The generation is not a counter in the store (a
+stranger could set it): each member publishes the highest generation it has been in, and the
+round's generation is one more than the highest of its members', so a store that restarts empty
+does not count from 1 again while any member lives.
 """
 
 from __future__ import annotations
 
-import json
+import copy
+import logging
 import math
 import os
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from zend.daemon import member_entry
 from zend.daemon.membership import (
     Membership,
     MembershipError,
     RendezvousTimeoutError,
+    bound_store_socket,
     check_agreement,
     check_unique,
     first_line,
     with_protocol,
 )
+from zend.daemon.store_seal import StoreSeal, store_backend
 
 POLL_S = 0.02
+log = logging.getLogger("zend.membership")
+STORE_OP_S = 10.0  # a store operation that takes longer failed (the store is down or a key never came)
+RECONNECT_S = 2.0  # one try at reaching a store that went away
 KEEP_ALIVE_S = 1  # torch's heartbeat period (whole seconds); a member is dead after max(3, peer_timeout_s) s
 # of silence: torch skips a beat that comes a hair early, so one beat may take two periods
 
@@ -43,9 +57,8 @@ class ElasticRendezvous:
     """This daemon's place in the elastic rendezvous `cluster_id` at the TCPStore `host:port`."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
-                 agreed: dict[str, object], dead_after_s: float, timeout_s: float, min_nodes: int = 0):
-        from torch.distributed import DistError, TCPStore
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+                 agreed: dict[str, object], dead_after_s: float, timeout_s: float, secret: bytes,
+                 min_nodes: int = 0):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
         # torch would start a second TCPStore on rank 0 for the workers' bootstrap: zen has no use for it
@@ -56,14 +69,13 @@ class ElasticRendezvous:
         self.cluster_id, self.agreed = cluster_id, with_protocol(agreed)
         self.where = f"tcpstore://{host}:{port} (elastic)"
         self.timeout_s = timeout_s
-        self._store: Any = None
-        try:
-            self._store = TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
-        except DistError as exc:
-            raise RendezvousTimeoutError(f"rank {rank} could not reach the rendezvous store at {self.where} within "
-                                         f"{timeout_s:g}s (is `zend store` running there?): "
-                                         f"{first_line(exc)}") from None
-        backend = C10dRendezvousBackend(self._store, f"zen-{cluster_id}")
+        self.seal = StoreSeal(secret, cluster_id)
+        self.generation_seen = 0  # the highest generation this daemon has been in
+        self.round = -1  # torch's round this daemon joined last
+        self._seen: Any = None  # that round's state as last seen intact (what a lost state is written back as)
+        self._address = (host, port)
+        self._store: Any = self._connect(timeout_s)
+        backend = store_backend(lambda: self._store, f"zen-{cluster_id}", self.seal)
         self._handler = DynamicRendezvousHandler.from_backend(
             f"zen-{cluster_id}", self._store, backend, self.min_nodes, world_size, local_addr=_host_of(my_uri),
             # last call: with --min-nodes, how long a round that could form waits for the rest (a slow start)
@@ -71,6 +83,39 @@ class ElasticRendezvous:
                                       close=timedelta(seconds=10)),
             keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=round(self.dead_after_s / KEEP_ALIVE_S))
         self._lock = threading.Lock()  # the handler is not meant for two threads at once
+
+    def _connect(self, timeout_s: float) -> Any:
+        """A client of the store, tried for up to `timeout_s`; its operations time out after STORE_OP_S (a
+        read of a key that never comes, such as torch's bootstrap address from a frozen member, must not
+        hold a round for the whole join timeout)."""
+        from torch.distributed import DistError, TCPStore
+
+        host, port = self._address
+        try:
+            store = TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+        except DistError as exc:
+            raise RendezvousTimeoutError(f"rank {self.rank} could not reach the rendezvous store at {self.where} "
+                                         f"within {timeout_s:g}s (is `zend store` running there?): "
+                                         f"{first_line(exc)}") from None
+        store.set_timeout(timedelta(seconds=STORE_OP_S))
+        return store
+
+    def _reconnect(self) -> None:
+        """A fresh connection to the store (torch's client does not come back after its server restarts),
+        for the handler and the backend alike; MembershipError if the store does not answer."""
+        self._store = self._connect(RECONNECT_S)
+        self._handler._store = self._store  # the store torch derives each round's store from
+
+    def _with_store(self, op: Any) -> Any:
+        """`op()`, once more on a fresh connection if the connection failed it (a restarted `zend store`)."""
+        from torch.distributed import DistNetworkError
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        try:
+            return op()
+        except (RendezvousConnectionError, DistNetworkError):
+            self._reconnect()
+            return op()
 
     def join(self, job_steps: dict[str, int] | None = None) -> Membership:
         """Leave the current round (if in one) and join the next; the membership of that round.
@@ -82,7 +127,7 @@ class ElasticRendezvous:
 
         with self._lock:
             try:
-                info = self._handler.next_rendezvous()
+                info = self._with_store(self._handler.next_rendezvous)
                 return self._publish(info.store, info.rank, info.world_size, job_steps or {})
             except RendezvousError as exc:
                 raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.min_nodes}-"
@@ -96,51 +141,101 @@ class ElasticRendezvous:
         """Daemons waiting to join (a restarted one): the members should `join` the next round."""
         with self._lock:
             try:
-                return int(self._handler.num_nodes_waiting())
+                return int(self._with_store(self._handler.num_nodes_waiting))
+            except Exception as exc:
+                raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
+                                      f"{first_line(exc)}") from None
+
+    def round_intact(self) -> bool:
+        """False once the members have moved past the round this daemon joined (it then joins the next
+        one too); True while that round stands.
+
+        A state that went back (deleted, refused garbage, a store restarted empty, an older state written
+        again: an earlier round, or ours incomplete, since torch keeps a round complete while anyone is in
+        it) is written back as this daemon last saw it, its members' heartbeats as of now (they could not
+        beat into a state that was gone; a member that really died is found by the data plane, and by the
+        rendezvous once its beats stop again), so that the running generation needs nothing new from the
+        store; if another writer wins that race, the next poll looks again. A member dropped from
+        its round for standing still (SIGSTOP) finds the round standing and goes on in its generation."""
+        with self._lock:
+            try:
+                holder = self._handler._state_holder  # torch keeps no public view of the round
+                self._with_store(holder.sync)
+                state = holder.state
+                if state.round > self.round:
+                    return False
+                if state.round == self.round and state.complete:
+                    self._seen = copy.deepcopy(state)  # fresh heartbeats: what a write-back restores
+                elif self._seen is not None:
+                    log.warning("rendezvous state lost; writing back the last one seen", extra={
+                        "event": "rendezvous_restored", "round": self.round, "found_round": state.round})
+                    restored = copy.deepcopy(self._seen)
+                    now = datetime.now(UTC)  # torch's clock: while the state was gone nobody could
+                    restored.last_heartbeats = {node: now for node in restored.last_heartbeats}  # beat in it
+                    holder._state = restored
+                    holder.mark_dirty()
+                    holder.sync()
+                return True
             except Exception as exc:
                 raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where}: "
                                       f"{first_line(exc)}") from None
 
     def _publish(self, store: Any, slot: int, members: int, job_steps: dict[str, int]) -> Membership:
-        """Within one round's store: the generation, then every member's URI, settings and --rank.
+        """Within one round's store: every member's sealed entry (URI, settings, --rank, job steps and the
+        highest generation it has been in), read back once all are there and valid.
 
-        Members publish under the handler's rank (`slot`, 0..members-1); zen ranks are their
-        --ranks in order, so with every node present each keeps its own, and a smaller generation
-        (--min-nodes) numbers its members 0..members-1 in the same order."""
+        Members publish under the handler's rank (`slot`, 0..members-1); zen ranks are their --ranks in
+        order, so with every node present each keeps its own, and a smaller generation (--min-nodes)
+        numbers its members 0..members-1 in the same order. An entry that is absent, refused (not sealed
+        with the secret) or off the schema is waited for; a member rewrites its own while it waits, so a
+        stranger's overwrite does not stall the round."""
         deadline = time.monotonic() + self.timeout_s
-        if slot == 0:  # one member per round bumps the cluster's generation counter
-            generation = int(self._store.add(f"zen/{self.cluster_id}/generation", 1))
-            store.set("zen/generation", str(generation))
-        generation = int(store.get("zen/generation"))
-        store.set(f"zen/member/{slot}", json.dumps({"uri": self.my_uri, "agreed": self.agreed, "rank": self.rank,
-                                                    "job_steps": job_steps}, sort_keys=True))
+        round_ = self.round = self._handler._state_holder.state.round
+        self._seen = copy.deepcopy(self._handler._state_holder.state)
+        label = f"zen-{self.cluster_id}/round/{round_}/member/{{}}"
+        mine = self.seal.seal(label.format(slot), member_entry.MemberEntry(
+            self.rank, self.my_uri, self.agreed, job_steps, self.generation_seen).encode())
         keys = [f"zen/member/{i}" for i in range(members)]
-        while not store.check(keys):
+        entries: dict[int, member_entry.MemberEntry] = {}
+        problems: dict[int, str] = {}
+        while True:
+            if store.check([keys[slot]]) is False or store.get(keys[slot]) != mine:
+                store.set(keys[slot], mine)
+            present = [i for i in range(members) if i not in entries and store.check([keys[i]])]
+            for i in present:
+                payload = self.seal.open_value(label.format(i), store.get(keys[i]))
+                if payload is None:
+                    problems[i] = "its entry is not sealed with the cluster secret"
+                    continue
+                try:
+                    entries[i] = member_entry.parse(payload, self.world_size)
+                except member_entry.EntryError as exc:
+                    problems[i] = f"its entry is refused: {exc}"
+            if len(entries) == members:
+                break
             if time.monotonic() > deadline:
-                raise RendezvousTimeoutError(f"generation {generation} at {self.where}: not every one of {members} "
-                                             f"members published within {self.timeout_s:g}s")
+                missing = sorted(set(range(members)) - set(entries))
+                why = "; ".join(f"member {i}: {problems.get(i, 'no entry')}" for i in missing)
+                raise RendezvousTimeoutError(f"round {round_} at {self.where}: not every one of {members} members "
+                                             f"published a valid entry within {self.timeout_s:g}s ({why})")
             time.sleep(POLL_S)
-        by_rank: dict[int, tuple[str, dict[str, object]]] = {}
+        generation = 1 + max(e.generation for e in entries.values())
+        by_rank: dict[int, member_entry.MemberEntry] = {}
         steps: dict[str, int] = {}
-        for raw in store.multi_get(keys):
-            try:
-                entry = json.loads(raw)
-                rank, uri, agreed = int(entry["rank"]), str(entry["uri"]), dict(entry["agreed"])
-                for job, step in dict(entry.get("job_steps", {})).items():  # a restarted member knows none
-                    steps[str(job)] = max(steps.get(str(job), 0), int(step))
-            except (ValueError, KeyError, TypeError):
-                raise MembershipError(f"a member published an unreadable entry {raw[:200]!r} at {self.where} "
-                                      "(a different zend version?)") from None
-            if rank in by_rank:
-                raise MembershipError(f"--rank {rank} is claimed by two daemons in generation {generation} at "
-                                      f"{self.where}: {by_rank[rank][0]!r} and {uri!r}")
-            by_rank[rank] = (uri, agreed)
+        for e in entries.values():
+            if e.rank in by_rank:
+                raise MembershipError(f"--rank {e.rank} is claimed by two daemons in generation {generation} at "
+                                      f"{self.where}: {by_rank[e.rank].uri!r} and {e.uri!r}")
+            by_rank[e.rank] = e
+            for job, step in e.job_steps.items():  # a restarted member knows none
+                steps[job] = max(steps.get(job, 0), step)
         order = sorted(by_rank)
-        uris = {i: by_rank[r][0] for i, r in enumerate(order)}
+        uris = {i: by_rank[r].uri for i, r in enumerate(order)}
         check_unique(uris, "member {}")
-        check_agreement({i: by_rank[r][1] for i, r in enumerate(order)})
+        check_agreement({i: by_rank[r].agreed for i, r in enumerate(order)})
+        self.generation_seen = generation
         return Membership(rank=order.index(self.rank), world_size=members, peers=uris, generation=generation,
-                          cluster_id=self.cluster_id, agreed=by_rank[order[0]][1], source=f"elastic {self.where}",
+                          cluster_id=self.cluster_id, agreed=by_rank[order[0]].agreed, source=f"elastic {self.where}",
                           members=tuple(order), job_steps=steps)
 
     def close(self) -> None:
@@ -156,10 +251,13 @@ def _host_of(uri: str) -> str:
 
 
 def serve_store(host: str, port: int, stop: threading.Event, ready: Any = None) -> None:
-    """Host the TCPStore an elastic cluster's rounds live in, until `stop` (`zend store`)."""
+    """Host the TCPStore an elastic cluster's rounds live in, until `stop` (`zend store`), listening on
+    `host` alone (torch's own server would listen on every interface)."""
     from torch.distributed import TCPStore
 
-    store = TCPStore(host, port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    # the store takes the listening descriptor over, and closes it when it goes
+    store = TCPStore(host, port, None, True, timedelta(seconds=30), wait_for_workers=False,
+                     master_listen_fd=bound_store_socket(host, port).detach())
     try:
         if ready is not None:
             ready()

@@ -22,6 +22,14 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 Registration = tuple[Callable[[Any, Any], None], Any]  # (add_XServicer_to_server, servicer)
+# A TCP port anyone on the network reaches: connections bounded in number, in the time to say hello (an
+# idle connection that never sends HTTP/2's preface), and in idle time; 400 idle connections made health
+# time out and kept a trainer out when none of this was set.
+NETWORK_LISTENER_OPTIONS = (
+    ("grpc.max_allowed_incoming_connections", 256),
+    ("grpc.server_handshake_timeout_ms", 5_000),
+    ("grpc.max_connection_idle_ms", 60_000),
+)
 
 
 class GrpcServers:
@@ -37,11 +45,12 @@ class GrpcServers:
         self._thread.start()
         self.servers: list[grpc.aio.Server] = []
 
-    def serve(self, address: str, services: Sequence[Registration], reflected: Sequence[str]) -> None:
-        """A started server on `address` with `services` and reflection of the `reflected` service names;
-        OSError if the address will not bind."""
+    def serve(self, address: str, services: Sequence[Registration], reflected: Sequence[str],
+              options: Sequence[tuple[str, Any]] = ()) -> None:
+        """A started server on `address` with `services` and reflection of the `reflected` service names,
+        with `options` beside the servers' own; OSError if the address will not bind."""
         async def start() -> grpc.aio.Server:
-            server = grpc.aio.server(migration_thread_pool=self.pool, options=self.options)
+            server = grpc.aio.server(migration_thread_pool=self.pool, options=[*self.options, *options])
             for add, servicer in services:
                 add(servicer, server)
             reflection.enable_server_reflection((*reflected, reflection.SERVICE_NAME), server)

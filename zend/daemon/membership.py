@@ -5,17 +5,23 @@ gradients that silently do not line up, so membership is where that is refused, 
 naming the setting, the rank and both values. Membership is either given (`static_membership`)
 or found by a rendezvous through torch's TCPStore with torchrun's conventions (`rendezvous`).
 
-Store lifetime: rank 0 hosts the TCPStore only for the length of one `rendezvous` call. Every
-rank confirms, through the store, that it has read the whole membership; rank 0 returns only
-after all have confirmed (or the timeout passes), and then closes the store. Nobody needs the
-store afterwards, so there is nothing for the caller to keep alive or close. One call is one
-round; the generation counter lives in the store, so a store that rank 0 starts afresh gives
-generation 1.
+Store lifetime: rank 0 hosts the TCPStore only for the length of one `rendezvous` call, listening
+on the rendezvous address alone. Every rank confirms, through the store, that it has read the
+whole membership; rank 0 returns only after all have confirmed (or the timeout passes), and then
+closes the store. Nobody needs the store afterwards, so there is nothing for the caller to keep
+alive or close. One call is one round, of generation 1.
+
+The store has no authentication, so nothing in it is taken on trust: every value a rank reads
+(claims, entries, confirmations) is sealed with the cluster secret (store_seal.py) and bound to
+the round by rank 0's random nonce; entries are parsed to an exact schema (member_entry.py). A
+value a stranger wrote is refused and overwritten, never obeyed: it can neither take a rank,
+redirect a peer's address, nor end the round early.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,7 +29,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from zend.daemon import member_entry
 from zend.daemon.agreement import disagreements, show_value
+from zend.daemon.store_seal import StoreSeal
 from zend.transport import parse_uri
 from zend.transport.handshake import PROTOCOL_VERSION
 
@@ -45,6 +53,10 @@ class MembershipError(ValueError):
 
 class RendezvousTimeoutError(MembershipError, TimeoutError):
     """Some ranks did not show up (or confirm) within the timeout; the message names them."""
+
+
+class StoreLost(MembershipError):
+    """The rendezvous store went away (rank 0 gave up or exited) during a round."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,25 @@ def check_agreement(agreed_by_rank: Mapping[int, Mapping[str, object]]) -> None:
         raise MembershipError("ranks disagree on settings: " + problem)
 
 
+def bound_store_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on exactly `host`:`port`, for a TCPStore server to take (`master_listen_fd`):
+    torch's server would otherwise listen on every interface, whatever address it is given."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve the store address {host!r}: {exc}") from None
+    listener = socket.socket(infos[0][0], socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(infos[0][4])
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 class _Round:
     """One rank's side of one rendezvous round.
 
@@ -210,12 +241,15 @@ class _Round:
     in `close` really stops rank 0's server even while a traceback still holds our frames.
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, cluster_id: str, timeout_s: float):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, cluster_id: str, timeout_s: float,
+                 seal: StoreSeal):
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.prefix = f"zen/{cluster_id}/"
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self.where = f"tcpstore://{host}:{port}"
+        self.seal = seal
+        self.nonce = ""  # rank 0's, for this round: every sealed value of the round carries it
         self._store: Any = None
 
     def remaining(self) -> timedelta:
@@ -228,9 +262,14 @@ class _Round:
         if not hosting:
             self.await_store()
         try:
-            self._store = TCPStore(self.host, self.port, self.world_size, hosting, self.remaining(),
-                                   wait_for_workers=False)
-        except DistError as exc:
+            if hosting:  # the store takes the listening descriptor over, and closes it when it goes
+                self._store = TCPStore(self.host, self.port, self.world_size, True, self.remaining(),
+                                       wait_for_workers=False,
+                                       master_listen_fd=bound_store_socket(self.host, self.port).detach())
+            else:
+                self._store = TCPStore(self.host, self.port, self.world_size, False, self.remaining(),
+                                       wait_for_workers=False)
+        except (DistError, OSError) as exc:
             first = first_line(exc)
             if hosting:
                 raise MembershipError(f"rank 0 could not host the rendezvous store on port {self.port} "
@@ -263,75 +302,125 @@ class _Round:
         try:
             return getattr(self._store, method)(*args)
         except DistError as exc:
-            first = first_line(exc)
-            raise MembershipError(f"rank {self.rank} lost the rendezvous store at {self.where} "
-                                  f"(rank 0 gave up or exited): {first}") from None
+            raise StoreLost(f"rank {self.rank} lost the rendezvous store at {self.where} (rank 0 gave up or "
+                            f"exited): {first_line(exc)}") from None
+
+    def read(self, key: str) -> bytes | None:
+        """The payload sealed under `key` (the round's nonce included), or None: absent or refused."""
+        if not self.call("check", [self.prefix + key]):
+            return None
+        payload = self.seal.open_value(self.prefix + key, self.call("get", self.prefix + key))
+        if payload is None or not payload.startswith(self.nonce.encode() + b"\0"):
+            return None
+        return payload[len(self.nonce) + 1:]
+
+    def write(self, key: str, payload: bytes) -> bytes:
+        sealed = self.seal.seal(self.prefix + key, self.nonce.encode() + b"\0" + payload)
+        self.call("set", self.prefix + key, sealed)
+        return sealed
 
     def claim(self) -> None:
-        """Refuse a second process claiming the same rank: its publication would overwrite the first's."""
-        if self.call("add", f"{self.prefix}claim/{self.rank}", 1) > 1:
-            raise MembershipError(f"rank {self.rank} is already taken in cluster {self.prefix[4:-1]!r} at "
-                                  f"{self.where}: another process published it first (check RANK)")
+        """Refuse a second process claiming the same rank: its publication would overwrite the first's. A
+        claim is sealed: one a stranger wrote is overwritten, not obeyed."""
+        key = f"{self.prefix}claim/{self.rank}"
+        mine = self.seal.seal(key, secrets.token_hex(16).encode())
+        expected = ""
+        for _ in range(100):
+            current = self.call("compare_set", key, expected, mine)
+            if current == mine:
+                return
+            if self.seal.open_value(key, current) is not None:
+                raise MembershipError(f"rank {self.rank} is already taken in cluster {self.prefix[4:-1]!r} at "
+                                      f"{self.where}: another process published it first (check RANK)")
+            expected = current  # a stranger's value: replace it
+        raise MembershipError(f"rank {self.rank} could not claim its place at {self.where}: the value kept changing")
 
-    def wait_all(self, kind: str, what: str) -> None:
-        """Wait until every rank has set `{prefix}{kind}/{rank}`; RendezvousTimeoutError names those that did not."""
-        missing = list(range(self.world_size))
+    def wait_for(self, kind: str, what: str, accept: Any, republish: Any = None) -> dict[int, bytes]:
+        """Every rank's valid `{kind}/{rank}` payload (`accept(rank, payload)` raises MembershipError for one
+        that may not stand); RendezvousTimeoutError names the ranks without one. `republish` writes ours
+        again if a stranger replaced it."""
+        found: dict[int, bytes] = {}
         try:
             while True:
-                while missing and self.call("check", [f"{self.prefix}{kind}/{missing[0]}"]):
-                    missing.pop(0)
-                if not missing:
-                    return
+                if republish is not None:
+                    republish()
+                for r in range(self.world_size):
+                    if r not in found and (payload := self.read(f"{kind}/{r}")) is not None:
+                        accept(r, payload)
+                        found[r] = payload
+                if len(found) == self.world_size:
+                    return found
                 if time.monotonic() >= self.deadline:
-                    missing = [r for r in missing if not self.call("check", [f"{self.prefix}{kind}/{r}"])]
                     break
                 time.sleep(POLL_S)
-        except MembershipError as exc:  # rank 0 gave up first: say whom we were still waiting for
+        except StoreLost as exc:  # rank 0 gave up first: say whom we were still waiting for
+            missing = [r for r in range(self.world_size) if r not in found]
             raise MembershipError(f"{exc}; {_ranks(missing)} of world_size={self.world_size} had not {what} "
                                   f"by then") from None
-        if missing:
-            raise RendezvousTimeoutError(f"rendezvous at {self.where}: {_ranks(missing)} of world_size="
-                                         f"{self.world_size} did not {what} within {self.timeout_s:g}s "
-                                         f"(rank {self.rank} waited)")
+        missing = [r for r in range(self.world_size) if r not in found]
+        raise RendezvousTimeoutError(f"rendezvous at {self.where}: {_ranks(missing)} of world_size="
+                                     f"{self.world_size} did not {what} within {self.timeout_s:g}s "
+                                     f"(rank {self.rank} waited)")
 
     def run(self, my_uri: str, agreed: dict[str, object], cluster_id: str) -> Membership:
         self.open()
         self.claim()
-        if self.rank == 0:  # before publishing: whoever sees rank 0's entry can read the generation
-            self.call("add", f"{self.prefix}generation", 1)
-        self.call("set", f"{self.prefix}rank/{self.rank}", json.dumps({"uri": my_uri, "agreed": agreed},
-                                                                         sort_keys=True))
-        self.wait_all("rank", "publish a URI and settings")
-        keys = [f"{self.prefix}rank/{r}" for r in range(self.world_size)]
-        published: list[bytes] = self.call("multi_get", keys)
-        generation = int(self.call("add", f"{self.prefix}generation", 0))
-        self.call("set", f"{self.prefix}read/{self.rank}", "1")
-        if self.rank == 0:  # everyone must have read before the store goes away
-            self.wait_all("read", "confirm reading the membership")
-        uris: dict[int, str] = {}
-        agreed_by_rank: dict[int, dict[str, object]] = {}
-        for rank, raw in enumerate(published):
+        if self.rank == 0:
+            self.nonce = secrets.token_hex(16)
+            self.call("set", f"{self.prefix}nonce", self.seal.seal(f"{self.prefix}nonce", self.nonce.encode()))
+        else:
+            self.nonce = self._rank0_nonce()
+        entry = member_entry.MemberEntry(self.rank, my_uri, agreed, generation=1 if self.rank == 0 else 0,
+                                         nonce=self.nonce).encode()
+        sealed = self.write(f"rank/{self.rank}", entry)
+
+        def republish() -> None:
+            if self.call("get", f"{self.prefix}rank/{self.rank}") != sealed:
+                self.call("set", f"{self.prefix}rank/{self.rank}", sealed)
+
+        entries: dict[int, member_entry.MemberEntry] = {}
+
+        def accept(rank: int, payload: bytes) -> None:
             try:
-                entry = json.loads(raw)
-                uris[rank], agreed_by_rank[rank] = entry["uri"], entry["agreed"]
-                if not isinstance(agreed_by_rank[rank], dict):
-                    raise TypeError("agreed is not an object")
-            except (ValueError, KeyError, TypeError):
-                raise MembershipError(f"rank {rank} published an unreadable entry {raw[:200]!r} at "
-                                      f"{self.where} (a different zend version?)") from None
+                entries[rank] = member_entry.parse(payload, self.world_size)
+            except member_entry.EntryError as exc:
+                raise MembershipError(f"rank {rank} published an unreadable entry at {self.where} (a different zend "
+                                      f"version?): {exc}") from None
+            if entries[rank].rank != rank:
+                raise MembershipError(f"the entry under rank {rank} at {self.where} says rank {entries[rank].rank}")
+
+        self.wait_for("rank", "publish a URI and settings", accept, republish)
+        self.write(f"read/{self.rank}", b"read")
+        if self.rank == 0:  # everyone must have read before the store goes away
+            self.wait_for("read", "confirm reading the membership", lambda r, p: None)
+        uris = {r: e.uri for r, e in entries.items()}
         check_unique(uris, "rank {}")
-        check_agreement(agreed_by_rank)
-        return Membership(rank=self.rank, world_size=self.world_size, peers=uris, generation=generation,
-                          cluster_id=cluster_id, agreed=agreed_by_rank[0], source=f"rendezvous {self.where}")
+        check_agreement({r: e.agreed for r, e in entries.items()})
+        return Membership(rank=self.rank, world_size=self.world_size, peers=uris, generation=entries[0].generation,
+                          cluster_id=cluster_id, agreed=entries[0].agreed, source=f"rendezvous {self.where}")
+
+    def _rank0_nonce(self) -> str:
+        """Rank 0's nonce for this round, once it is there with a valid seal."""
+        key = f"{self.prefix}nonce"
+        while True:
+            if self.call("check", [key]):
+                payload = self.seal.open_value(key, self.call("get", key))
+                if payload is not None and len(payload) == 32:
+                    return payload.decode()
+            if time.monotonic() >= self.deadline:
+                raise RendezvousTimeoutError(f"rendezvous at {self.where}: rank 0 did not start the round within "
+                                             f"{self.timeout_s:g}s (rank {self.rank} waited)")
+            time.sleep(POLL_S)
 
 
 def rendezvous(store_host: str, store_port: int, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
-               agreed: dict[str, object], timeout_s: float = 60.0) -> Membership:
+               agreed: dict[str, object], secret: bytes, timeout_s: float = 60.0) -> Membership:
     """Find every rank's data-plane URI and check all agree on `agreed`, through a TCPStore rank 0 hosts.
 
     Blocks until all `world_size` ranks have published (bounded by `timeout_s`: RendezvousTimeoutError
     names the missing ranks) and, on rank 0, until all have read the result, so that closing the
-    store on return strands nobody. `my_uri` must be the address this rank's transport listens on.
+    store on return strands nobody. `my_uri` must be the address this rank's transport listens on;
+    `secret` (the cluster's) seals every value of the round.
     """
     rank, world_size = _check_world(rank, world_size)
     cluster_id = _check_cluster_id(cluster_id)
@@ -342,7 +431,8 @@ def rendezvous(store_host: str, store_port: int, rank: int, world_size: int, my_
         raise MembershipError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     _address(f"rank {rank} my_uri", my_uri)
     agreed = with_protocol(agreed)
-    round_ = _Round(store_host, store_port, rank, world_size, cluster_id, float(timeout_s))
+    round_ = _Round(store_host, store_port, rank, world_size, cluster_id, float(timeout_s),
+                    StoreSeal(secret, cluster_id))
     try:
         return round_.run(my_uri, agreed, cluster_id)
     finally:

@@ -19,9 +19,7 @@ import hmac
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -29,6 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from zend.core.comm import Communicator
+from zend.daemon import exposition
 from zend.daemon.jobs import bearer_of, job_key, tensor_id
 from zend.protocol.version import daemon_version
 
@@ -110,15 +109,6 @@ def _opaque(labels: dict[str, str]) -> dict[str, str]:
     if (job, tensor) == ("other", "other"):  # the series past the bound (a job named "other" is redacted)
         return labels
     return {**labels, "zen_job": job_key(job), "tensor": str(tensor_id(job, tensor))}
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes are not news: nothing on stderr per request."""
 
 
 class DaemonMetrics:
@@ -230,24 +220,19 @@ class DaemonMetrics:
         return _CountingCommunicator(comm, self)
 
     def serve(self, host: str, port: int, operator_token: str | None = None) -> None:
-        """The exposition on http://host:port/ (any path), on threads of its own; names only for the
+        """The exposition on http://host:port/ (any path), bounded (exposition.py); names only for the
         operator token (see the module's docstring), none at all when no token is given."""
         redacted = Redacted(self.registry)
 
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-            given = bearer_of(environ.get("HTTP_AUTHORIZATION"))
-            named = bool(operator_token and given and hmac.compare_digest(given.encode(), operator_token.encode()))
-            encoder, content_type = choose_encoder(environ.get("HTTP_ACCEPT", ""))
-            body = encoder(self.registry if named else redacted)
-            start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
-            return [body]
+        def named(authorization: str | None) -> bool:
+            given = bearer_of(authorization)
+            return bool(operator_token and given and hmac.compare_digest(given.encode(), operator_token.encode()))
 
-        try:
-            server = make_server(host, port, app, _Server, handler_class=_Quiet)
-        except OSError as exc:  # name the port: "Address already in use" alone does not say which
-            raise OSError(exc.errno, f"metrics port {port} on {host}: {exc.strerror} (set --metrics-port, "
-                                     "0 turns metrics off)") from exc
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        def render(with_names: bool, accept: str) -> tuple[bytes, str]:
+            encoder, content_type = choose_encoder(accept)
+            return encoder(self.registry if with_names else redacted), content_type
+
+        exposition.serve(host, port, render, named)
 
 
 class _CountingCommunicator(Communicator):

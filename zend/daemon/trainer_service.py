@@ -75,16 +75,36 @@ class TrainerService(pb_grpc.TrainerServicer):
         return s
 
     @maps_errors
-    def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.registry.check_token(request.job_id, bearer_token(context))
-        self.trainer_steps.check_accepting("sessions")
-        s = self.registry.open_session(request.job_id, request.local_rank, request.local_world_size, request.pid)
+    async def OpenSession(self, request: Any, context: Any) -> Any:
+        """Opened on a handler thread; if the reply never reaches the trainer (it went away, its deadline
+        passed), the session is closed at once, not left holding its local rank until it expires."""
+        token = bearer_token(context)
+
+        def open_session() -> Session:
+            self.registry.check_token(request.job_id, token)
+            self.trainer_steps.check_accepting("sessions")
+            return self.registry.open_session(request.job_id, request.local_rank, request.local_world_size,
+                                              request.pid)
+
+        opening = asyncio.get_running_loop().run_in_executor(None, open_session)
+        try:
+            s = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the trainer went away while it was being opened
+            opening.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self._unanswered(f.result()))
+            raise
+        context.add_done_callback(lambda done: self._unanswered(s) if done.cancelled() else None)
         log.info("session opened", extra={"event": "session_open", "job": s.job, "local_rank": s.local_rank,
                                           "pid": s.pid})
         m = self.membership()
         return pb.OpenSessionReply(session_id=s.session_id, buffer_socket=self.buffer_socket, node_rank=m.rank,
                                    node_count=m.world_size, generation=m.generation, daemon_version=daemon_version(),
                                    job_step=self.job_step(s.job))
+
+    def _unanswered(self, s: Session) -> None:
+        log.info("session closed: its OpenSession reply did not reach the trainer", extra={
+            "event": "session_unanswered", "job": s.job, "local_rank": s.local_rank, "pid": s.pid})
+        self.end_session(s.session_id)
 
     @maps_errors
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:

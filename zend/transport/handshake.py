@@ -4,7 +4,8 @@ Challenge-response with HMAC-SHA256 over a shared cluster secret, both ways, the
 first: the accepting rank, which anyone can reach, reveals no MAC before the dialler has proven
 that it knows the secret (a MAC given to a stranger would let it guess a weak secret offline).
 Both sides also agree on the protocol version, cluster id, world size, membership generation
-and data-plane security; a mismatch is refused with an error that names the field. Each side
+and data-plane security; a mismatch is refused with an error that names the field (and, to the
+other side, which has not proven anything yet, only its own value: never the one expected). Each side
 then derives the link's frame keys from the secret and the whole exchange (sealing.py), unless
 both run with security "none". Messages are JSON (never pickle), parsed strictly (bounded size
 and depth, finite numbers, exact types). `connect_side` and `accept_side` run the flow over two
@@ -52,18 +53,29 @@ def new_nonce() -> str:
     return secrets.token_hex(NONCE_HEX // 2)
 
 
-def mismatch(mine: Identity, theirs: Identity) -> str | None:
-    """The first field that differs between two sides of one cluster, as a sentence."""
+@dataclass(frozen=True)
+class Mismatch:
+    """A field where two sides differ: `local` names both values (this node's log and error), `told`
+    only the other side's own (what an unauthenticated peer is told: never a value it should guess)."""
+
+    local: str
+    told: str
+
+
+def mismatch(mine: Identity, theirs: Identity) -> Mismatch | None:
+    """The first field that differs between two sides of one cluster."""
     for name, label in (("protocol", "protocol version"), ("cluster", "cluster id"),
                         ("world_size", "world size"), ("generation", "membership generation"),
                         ("security", "data-plane security")):
         a, b = getattr(theirs, name), getattr(mine, name)
         if a != b:
-            return f"{label} {a!r} != {b!r}"
+            return Mismatch(f"{label} {a!r} != {b!r}", f"{label} {a!r} is not this cluster's")
     if not 0 <= theirs.rank < mine.world_size:
-        return f"rank {theirs.rank} outside world size {mine.world_size}"
+        return Mismatch(f"rank {theirs.rank} outside world size {mine.world_size}",
+                        f"rank {theirs.rank} is outside this cluster's world size")
     if theirs.rank == mine.rank:
-        return f"rank {theirs.rank} is this node's own rank"
+        problem = f"rank {theirs.rank} is this node's own rank"
+        return Mismatch(problem, problem)
     return None
 
 
@@ -175,10 +187,11 @@ def connect_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byt
     theirs = identity_of(reply)
     problem = mismatch(me, theirs)
     if problem is None and theirs.rank != expected_rank:
-        problem = f"rank {theirs.rank} answered where rank {expected_rank} was expected"
+        wrong = f"rank {theirs.rank} answered where rank {expected_rank} was expected"
+        problem = Mismatch(wrong, wrong)
     if problem:
-        send({"type": "error", "error": problem})
-        raise HandshakeError(f"refused rank {expected_rank}: {problem}")
+        send({"type": "error", "error": problem.told})
+        raise HandshakeError(f"refused rank {expected_rank}: {problem.local}")
     said = transcript(me, theirs, nonce, nonce_of(reply))
     send({"type": "proof", "mac": proof(secret, "dialer", said)})
     try:
@@ -199,10 +212,11 @@ def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byte
     their_nonce = nonce_of(hello)
     problem = mismatch(me, theirs)
     if problem is None and theirs.rank < me.rank:
-        problem = f"rank {theirs.rank} must accept, not connect (lower ranks accept)"
-    if problem:
-        send({"type": "error", "error": problem})
-        raise HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem}")
+        wrong = f"rank {theirs.rank} must accept, not connect (lower ranks accept)"
+        problem = Mismatch(wrong, wrong)
+    if problem:  # the dialler has proven nothing yet: it is told which of its own values is refused, no more
+        send({"type": "error", "error": problem.told})
+        raise HandshakeError(f"refused a connection claiming rank {theirs.rank}: {problem.local}")
     nonce = new_nonce()
     send({"type": "challenge", "identity": asdict(me), "nonce": nonce})
     try:
@@ -211,8 +225,8 @@ def accept_side(send: SendMessage, recv: RecvMessage, me: Identity, secret: byte
         raise HandshakeError(f"rank {theirs.rank}: {exc}") from None
     said = transcript(theirs, me, their_nonce, nonce)
     if not verify(secret, "dialer", said, answer.get("mac")):
-        problem = "authentication failed: wrong cluster secret"
-        send({"type": "error", "error": problem})
-        raise HandshakeError(f"refused rank {theirs.rank}: {problem}")
+        failed = "authentication failed: wrong cluster secret"
+        send({"type": "error", "error": failed})
+        raise HandshakeError(f"refused rank {theirs.rank}: {failed}")
     send({"type": "ok", "mac": proof(secret, "acceptor", said)})
     return theirs.rank, _cipher(secret, said, me, dialer=False)
