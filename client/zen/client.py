@@ -41,6 +41,12 @@ from zend.protocol.session import SharedBufferError, TensorHandle, TrainerSessio
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
 
+def _cuda_device_of(tensor: torch.Tensor | Indexed) -> torch.device | None:
+    """The CUDA device `tensor` (or an (indices, values) pair's values) lives on, or None."""
+    values = tensor[1] if isinstance(tensor, tuple) else tensor
+    return values.device if isinstance(values, torch.Tensor) and values.is_cuda else None
+
+
 def checked_rows(rows: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
     """`rows`, once each is in [0, num_rows); InvalidGradient naming the tensor and the row otherwise.
 
@@ -265,12 +271,26 @@ class Client:
         return entry.stats if entry is not None else None
 
     def allreduce_async(self, tensor: torch.Tensor | Indexed, **kwargs: Any) -> torch.futures.Future[Any]:
-        """Like allreduce, returning a torch Future (what DDP comm hooks return)."""
+        """Like allreduce, returning a torch Future (what DDP comm hooks return).
+
+        CUDA tensors: the step starts once the caller's current stream has written them (an event recorded
+        here, waited on by the worker thread), and the future completes once the result's copies on the
+        worker's stream are done, so any stream of the caller may read it."""
         future: torch.futures.Future[Any] = torch.futures.Future()
+        device = _cuda_device_of(tensor)
+        written = None
+        if device is not None:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(device))
 
         def run() -> None:
             try:
-                future.set_result(self.allreduce(tensor, **kwargs))
+                if written is not None:
+                    written.synchronize()
+                out = self.allreduce(tensor, **kwargs)
+                if device is not None:
+                    torch.cuda.current_stream(device).synchronize()
+                future.set_result(out)
             except BaseException as exc:
                 future.set_exception(exc)
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.buffers.trainer import Trainer, token_of
+from tests.subprocess_env import with_project
 from zend.buffers import (
     BufferClient,
     BufferServer,
@@ -637,7 +638,7 @@ def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_
     code = ("from zend.buffers import BufferClient\n"
             f"BufferClient({sock_path!r}, 'alice', {token_of('alice')!r}, timeout_s=10, attach=True)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                          env=with_project())
     assert proc.returncode != 0 and "belongs to another process" in proc.stderr, proc.stderr[-500:]
     with pytest.raises(SharedBufferError, match="no connected session"):
         BufferClient(sock_path, "bob", token_of("bob"), timeout_s=10, attach=True)  # known, but nobody claimed it

@@ -13,7 +13,6 @@ answers one JSON command per stdin line with one JSON line on stdout:
 from __future__ import annotations
 
 import json
-import os
 import selectors
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tests.subprocess_env import with_project
 from zend.buffers import BufferClient, SharedBuffer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ class Trainer:
     """A trainer subprocess; the test owns it and must call :meth:`kill` (in a finally)."""
 
     def __init__(self, path: str, session: str, timeout_s: float = 30.0) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        env = with_project(OMP_NUM_THREADS="1")
         self.timeout_s = timeout_s
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.buffers.trainer", path, session], cwd=ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

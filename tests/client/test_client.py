@@ -15,6 +15,7 @@ import torch
 import zen
 
 from tests.daemon.conftest import run_all
+from tests.subprocess_env import project_path, with_project
 from zend.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,8 @@ def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeou
     for node in range(cluster.nodes):
         for local in range(per_node):
             rank_vars = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
-                         "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **(env or {})}  # a crash prints its stack
+                         "PYTHONPATH": project_path(),  # ahead of what was there (carried wheels, on a GPU machine)
+                         "PYTHONFAULTHANDLER": "1", **(env or {})}  # a crash prints its stack
             procs.append(subprocess.Popen([sys.executable, *script], env=rank_vars, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
     results = []
@@ -69,6 +71,17 @@ def test_ddp_hook_gives_plain_ddps_gradients_with_unused_embeddings_and_topk(clu
 
 def test_helper_in_fp32_fp16_bf16_with_unused_and_empty_gradients_pairs_and_async(cluster2):
     launch_ranks(cluster2, [str(ROOT / "tests/client/worker.py"), "helper"], "helper")
+
+
+def test_helper_through_buffers_that_show_writes_only_once_published(tmp_path):
+    """The client, its async path and sync_gradients over the fenced double of a device buffer
+    (zend/buffers/fenced.py): a hand-off without publish or acquire would give the wrong sums here."""
+    from zend.buffers import fenced
+    from zend.cluster.local import LocalCluster
+
+    with LocalCluster(2, tmp_path, extra=["--log-format", "text", "--step-timeout-s", "30"],
+                      env={fenced.ENV: "1"}) as c:
+        launch_ranks(c, [str(ROOT / "tests/client/worker.py"), "helper"], "fenced-helper", env={fenced.ENV: "1"})
 
 
 def test_daemon_absent_names_the_address(tmp_path):
@@ -230,6 +243,6 @@ def test_a_failed_bucket_comes_back_to_the_training_loop_typed():
         "state.reraise()  # nothing left: returns\n"
         "dist.destroy_process_group()\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'client'}:{ROOT}", "TEST_PORT": str(free_port())})
+                         env=with_project(TEST_PORT=str(free_port())))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "typed: step 4 of tensor 'emb' aborted: node 1 lost" in run.stdout

@@ -17,6 +17,7 @@ import zen
 import zen.distributed as zd
 
 from tests.client.test_client import ROOT, launch_ranks
+from tests.subprocess_env import project_path, with_project
 from zend.cluster.local import LocalCluster, free_port
 
 WORKER = str(ROOT / "tests/client/backend_worker.py")
@@ -99,7 +100,7 @@ def test_a_lost_daemon_fails_work_wait_with_a_typed_error_within_the_peer_timeou
         port = free_port()
         procs = [subprocess.Popen([sys.executable, WORKER, "daemon_lost"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, **rank_env(n, 0, 2, 1, port, c, "lost"), "PYTHONPATH": str(ROOT)})
+                                  env=with_project(**rank_env(n, 0, 2, 1, port, c, "lost")))
                  for n in range(2)]
         try:
             for p in procs:
@@ -192,7 +193,7 @@ def test_init_without_a_daemon_names_the_socket(tmp_path: Path) -> None:
     code = ("import os, torch.distributed as dist, zen\n"
             "dist.init_process_group('zen', rank=0, world_size=1)\n")
     env = {**os.environ, "ZEN_SOCKET_DIR": str(tmp_path), "ZEN_JOB_TOKEN": "t", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": project_path()}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "DaemonUnavailable" in run.stderr and str(tmp_path) in run.stderr, run.stderr[-2000:]

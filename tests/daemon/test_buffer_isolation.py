@@ -25,6 +25,7 @@ import torch
 
 import zend.protocol.session as session_module
 from tests.daemon.conftest import run_all
+from tests.subprocess_env import project_path
 from zend.buffers import BufferClient, SharedBufferError, wire
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
@@ -205,7 +206,7 @@ def test_a_same_uid_process_of_another_job_cannot_open_a_jobs_buffer_through_pro
     read-only), listing /proc/<zend pid>/fd and /proc/<zend pid>/mem: each is EACCES. The same open of a
     dumpable process's 0600 memfd succeeds (a control: the refusal is the daemon's doing, not the
     machine's). The honest trainers' sums are right before and after."""
-    env = {**os.environ, "HOME": str(nobody_dir), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "HOME": str(nobody_dir), "PYTHONPATH": project_path(), "OMP_NUM_THREADS": "1",
            "NUMBA_CACHE_DIR": str(nobody_dir / "numba")}
     c = _AsNobody(1, nobody_dir / "cluster", env=env, metrics=False, extra=["--log-format", "text"])
     for path in (c.workdir, c.secret_file):  # the daemon makes its socket folder there and reads the secret

@@ -588,3 +588,33 @@ def test_every_node_gets_exactly_the_rows_sent_whatever_the_scheme(fresh_cluster
         for out in outs:
             assert out.indices.tolist() == [0, 3, 5, 7]
             assert out.values[:, 0].tolist() == [1.0, 0.0, 1.0, 5.0]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_buffers_that_show_writes_only_once_published_still_give_every_trainer_the_sum(fresh_cluster, monkeypatch,
+                                                                                       dense):
+    """Device buffers' writes reach the other process only after the writer orders its stream. The fenced
+    double (zend/buffers/fenced.py) behaves so on a CPU: a hand-off that skips `publish` or `acquire` (the
+    trainer before submitting, the daemon before answering) gives a stale, wrong sum here."""
+    from zend.buffers import fenced
+
+    monkeypatch.setenv(fenced.ENV, "1")  # the trainers here, and the daemons (they inherit it)
+    c = fresh_cluster(2, extra=["--log-format", "text", "--step-timeout-s", "30"])
+    rows, dim, steps = 64, 4, 3
+
+    def part(step: int, node: int, local: int) -> SparseGrad:
+        g = random_grad(rows, dim, 100 * step + 10 * node + local)
+        return SparseGrad(torch.arange(rows), g.to_dense(), rows, coalesced=True) if dense else g
+
+    def trainer(node: int, local: int) -> list[torch.Tensor]:
+        with TrainerSession(c.socket_dir(node), "fenced", c.token("fenced"), local, 2, timeout_s=30) as link:
+            h = link.register("w", (rows, dim), dense=dense)
+            assert h.result.device == fenced.DEVICE
+            return [link.allreduce(h, part(step, node, local), step).to_dense() for step in range(steps)]
+
+    results = run_all([lambda n=n, r=r: trainer(n, r) for n in range(2) for r in range(2)])
+    for step in range(steps):
+        want = sum(part(step, n, r).to_dense() for n in range(2) for r in range(2))
+        for got in results:
+            assert not isinstance(got, BaseException), got
+            torch.testing.assert_close(got[step], want, rtol=1e-5, atol=1e-5)

@@ -38,6 +38,12 @@ class MemoryBuffer:
     def view(self, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
         return self.raw[offset: offset + count * dtype.itemsize].view(dtype)
 
+    def publish(self) -> None:  # plain memory: both sides see every write at once
+        pass
+
+    def acquire(self) -> None:
+        pass
+
 
 class Node:
     """One node's daemon parts over `comm`; `submit` is what a trainer's Submit does, minus gRPC."""

@@ -3,7 +3,6 @@ real faults: a straggler, a frozen daemon (SIGSTOP / SIGCONT), a trainer killed 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import torch
 
 from tests.daemon.conftest import run_all, status_code
 from tests.daemon.test_daemon import random_grad
+from tests.subprocess_env import with_project
 from zend.protocol.session import StepRefused, TrainerSession
 
 PEER_TIMEOUT_S = 2.0
@@ -99,7 +99,7 @@ def test_a_trainer_killed_mid_step_aborts_it_for_every_trainer_on_every_node_the
         "print('ready', flush=True)\n"
         "time.sleep(600)\n")
     victim = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              env=with_project())
     links = {(n, r): TrainerSession(c.socket_dir(n), "j", c.token("j"), r, 2, timeout_s=60)
              for n, r in [(0, 0), (1, 0), (1, 1)]}
     try:

@@ -150,6 +150,74 @@ def test_local_sum_adds_the_trainers_parts_in_float32():
     assert total.values[:, 0].tolist() == [1.0, 3.0, 1.0]
 
 
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on another device, and, like torch on two GPUs, refuses to mix
+    with a tensor on a third: a stand-in for the parts of one trainer per GPU, on a machine without any."""
+
+    fake: torch.device
+
+    @staticmethod
+    def of(data: torch.Tensor, device: str) -> OnDevice:
+        t = data.as_subclass(OnDevice)
+        t.fake = torch.device(device)
+        return t
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return self.fake
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        found: list[torch.device] = []
+
+        def plain(x):  # type: ignore[no-untyped-def]
+            if isinstance(x, OnDevice):
+                found.append(x.fake)
+                return x.as_subclass(torch.Tensor)
+            if isinstance(x, list | tuple):
+                return type(x)(plain(v) for v in x)
+            return x
+
+        args, kwargs = plain(args), {k: plain(v) for k, v in kwargs.items()}
+        target = found[0] if found else torch.device("cpu")
+        if func is torch.Tensor.to:  # a move: the device asked for, if any
+            for a in (*args[1:], *kwargs.values()):
+                if isinstance(a, torch.device | str):
+                    target = torch.device(a)
+            args = (args[0], *(a for a in args[1:] if not isinstance(a, torch.device | str)))
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        elif len(set(found)) > 1:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{found[0]} and {next(d for d in found if d != found[0])}!")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+
+        def tagged(x):  # type: ignore[no-untyped-def]
+            if isinstance(x, torch.Tensor):
+                return OnDevice.of(x, str(target))
+            return type(x)(tagged(v) for v in x) if isinstance(x, tuple) and not hasattr(x, "_fields") else x
+        return tagged(out)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_local_sum_of_trainers_on_different_gpus_lands_on_the_first_ones(dense):
+    """One trainer per GPU: each part lies on its trainer's device; concatenating them as they are fails."""
+    layout = "dense" if dense else "sparse_rows"
+    spec = TensorSpec("j", "emb", (4, 2), "float32", layout, False)
+    rows = [torch.arange(4), torch.arange(4)] if dense else [torch.tensor([1, 3]), torch.tensor([3, 0])]
+    parts = [SparseGrad(OnDevice.of(r, f"cuda:{i}"), OnDevice.of(torch.full((len(r), 2), float(i + 1)), f"cuda:{i}"),
+                        4, "emb", dense) for i, r in enumerate(rows)]
+    total = local_sum(spec, parts)
+    assert total.values.device == torch.device("cuda:0") and total.indices.device == torch.device("cuda:0")
+    dense_sum = torch.zeros(4, 2)
+    for p in parts:
+        dense_sum.index_add_(0, p.indices.as_subclass(torch.Tensor), p.values.as_subclass(torch.Tensor))
+    assert torch.equal(total.to_dense().as_subclass(torch.Tensor), dense_sum)
+    with pytest.raises(RuntimeError, match="same device"):  # the fake refuses what two GPUs refuse
+        torch.cat([parts[0].values, parts[1].values])
+
+
 def test_job_tokens_sessions_and_tensor_ids():
     secret = b"s" * 32
     reg = JobRegistry(secret)

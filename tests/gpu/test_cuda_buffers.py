@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.buffers.trainer import ROOT, Trainer
+from tests.subprocess_env import with_project
 from zend.buffers import BufferServer, CudaBuffer, SessionInfo, SharedBufferError
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.timeout(180)]
@@ -103,12 +104,48 @@ def test_export_opens_in_another_process() -> None:
         handle = buf.export()
         assert handle == buf.export(), "exported once"
         json.dumps(handle)  # JSON-able
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = with_project()
         done = subprocess.run([sys.executable, "-c", OPEN_AND_WRITE], input=json.dumps(handle) + "\n", text=True,
                               capture_output=True, cwd=ROOT, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout) == {"before": [0.0, 0.0, 0.0, 0.0], "device": "cuda:0"}
         assert buf.view(torch.float32, 0, 4).cpu().tolist() == [10.0, 11.0, 12.0, 13.0]
+    finally:
+        buf.close()
+
+
+HAND_OFFS = """
+import json, sys, time, torch
+from zend.buffers import CudaBuffer
+started = time.perf_counter()
+buf = CudaBuffer.open(json.loads(sys.stdin.readline()))
+opened = time.perf_counter() - started
+data = torch.randn(1 << 18, device=buf.device)  # 1 MiB
+times = []
+for i in range(50):
+    t = time.perf_counter()
+    buf.view(torch.float32, 0, 1 << 18).copy_(data)
+    buf.publish()  # what a trainer does before it submits a step
+    times.append(time.perf_counter() - t)
+print(json.dumps({"open_s": opened, "hand_off_s": sorted(times)[25]}), flush=True)
+buf.close()
+"""
+
+
+def test_ipc_hand_off_latency(gpu_figure) -> None:  # type: ignore[no-untyped-def]
+    """Opening a buffer's IPC handle in a trainer process, and one 1 MiB write published to the daemon."""
+    buf = CudaBuffer.create(1 << 20, "latency", "cuda:0")
+    try:
+        done = subprocess.run([sys.executable, "-c", HAND_OFFS], input=json.dumps(buf.export()) + "\n", text=True,
+                              capture_output=True, cwd=ROOT, env=with_project(), timeout=120)
+        assert done.returncode == 0, done.stderr
+        got = json.loads(done.stdout.splitlines()[-1])
+        gpu_figure("IPC handle opened in the trainer", got["open_s"] * 1e3, "ms")
+        gpu_figure("1 MiB written and published (median of 50)", got["hand_off_s"] * 1e6, "us")
+        started = time.perf_counter()
+        buf.view(torch.float32, 0, 4).fill_(1.0)
+        buf.publish()  # what the daemon does before it answers
+        gpu_figure("daemon's publish after a small write", (time.perf_counter() - started) * 1e6, "us")
     finally:
         buf.close()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.subprocess_env import with_project
 from zend.cluster.netns import EmulatedCluster, available
 
 SECRET = b"test-cluster-secret-0123456789"
@@ -114,7 +114,7 @@ class RankProcesses:
 
         options: cluster_id, generation, protocol_version, timeout_s, max_buffered_bytes, security.
         """
-        env = dict(os.environ, ZEN_CLUSTER_SECRET=secret.decode(), PYTHONPATH=str(ROOT))
+        env = with_project(ZEN_CLUSTER_SECRET=secret.decode())
         argv = [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://{host}:0",
                 "--rank", str(rank), "--world-size", str(world_size)]
         for key, value in options.items():

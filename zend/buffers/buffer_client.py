@@ -13,7 +13,7 @@ import socket
 import threading
 from typing import Any
 
-from zend.buffers import wire
+from zend.buffers import fenced, wire
 from zend.buffers.cuda import CudaBuffer
 from zend.buffers.shared import SharedBuffer, SharedBufferError
 
@@ -92,6 +92,8 @@ class BufferClient:
             return buffer
         if fd is None:
             raise wire.ProtocolError(f"alloc reply for buffer {buffer_id!r} came without its descriptor")
+        if reply.get("device") == fenced.DEVICE:  # the test double of a device buffer
+            return fenced.FencedBuffer.attach(fd, got, buffer_id)
         return SharedBuffer.attach(fd, got, buffer_id)
 
     def free(self, buffer: str) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zend.buffers import wire
+from zend.buffers import fenced, wire
 from zend.buffers.cuda import CudaBuffer
 from zend.buffers.shared import EXHAUSTED_ERRNOS, RESOURCE_EXHAUSTED, SharedBuffer, SharedBufferError
 
@@ -454,10 +454,11 @@ class BufferServer:
         if isinstance(buffer, CudaBuffer):
             try:
                 reply["cuda_ipc"] = buffer.export()
-            except SharedBufferError as exc:
+            except SharedBufferError as exc:  # this buffer is refused; the session lives on
+                log.warning("buffer socket: %s", exc)
                 with contextlib.suppress(SharedBufferError):
                     self._free(session, buffer.buffer_id)
-                wire.send_message(conn, wire.reply_error(str(exc)))
+                wire.send_message(conn, wire.reply_error(str(exc), exc.code))
                 return
             wire.send_message(conn, reply)
         else:
@@ -467,7 +468,10 @@ class BufferServer:
         session_id = session.info.session_id
         if nbytes < 1:
             raise SharedBufferError(f"alloc: nbytes must be >= 1, got {nbytes}")
-        if device != "cpu" and not self.cuda_pool:
+        if device == fenced.DEVICE and not fenced.enabled():
+            raise SharedBufferError(f"alloc: device {device!r} refused: a test double, served only with "
+                                    f"{fenced.ENV}=1")
+        if device not in ("cpu", fenced.DEVICE) and not self.cuda_pool:
             raise SharedBufferError(f"alloc: device {device!r} refused: this daemon serves 'cpu' buffers only")
         job = session.info.job
         with self._lock:
@@ -492,6 +496,8 @@ class BufferServer:
             try:
                 if device == "cpu":
                     buffer = SharedBuffer.create(nbytes, buffer_id)
+                elif device == fenced.DEVICE:
+                    buffer = fenced.FencedBuffer.create(nbytes, buffer_id)
                 else:
                     buffer = CudaBuffer.create(nbytes, buffer_id, device)
             except OSError as exc:

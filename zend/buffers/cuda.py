@@ -12,11 +12,25 @@ nothing else (no other session's buffer, no daemon working tensor), and it is ze
 is handed out, so a new tenant never reads an old one's gradients.
 
 Lifetime (torch's rule, kept): after the daemon frees a buffer, torch keeps the memory until the
-trainer has released its mapping (closed the buffer or exited). If the trainer is killed with
-a signal it never releases it, and that memory stays reserved in the daemon until the daemon
-exits; ``pool_bytes`` no longer counts it. Device numbers ("cuda:N") are the daemon's: a
+trainer has released its mapping (closed the buffer or exited); then the daemon returns it to the
+driver (``empty_cache``: a private pool's blocks would otherwise stay cached). If the trainer is
+killed with a signal it never releases it, and that memory stays reserved in the daemon until the
+daemon exits; ``pool_bytes`` no longer counts it. Device numbers ("cuda:N") are the daemon's: a
 trainer must see the same numbering (the same CUDA_VISIBLE_DEVICES). CUDA is initialised only
 when a CUDA buffer is made or opened: CPU-only installs never touch it.
+
+Stream order: writes to a buffer are queued on the writer's CUDA stream, which the other process
+does not wait on. So the writer publishes before every hand-off (`publish`: its current stream
+synchronised), the trainer before it submits a step, the daemon before it answers with a result.
+(An interprocess CUDA event per buffer would let the reader wait on the device instead of the
+writer on the host: which is cheaper is to be measured on a GPU.)
+
+torch's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot be exported
+by IPC: the daemon turns them off for its own allocations (`no_expandable_segments`), and any export
+failure is a per-buffer SharedBufferError, never the session's end.
+
+The few calls into torch.cuda live in small functions (`_allocate`, `_share`, `_rebuild`, `_order`,
+`_release`) so that the protocol and its error paths run in CI against fakes of them.
 """
 
 from __future__ import annotations
@@ -24,12 +38,13 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import os
 import re
 from typing import Any, Self
 
 import torch
 
-from zend.buffers.shared import SharedBuffer, SharedBufferError, check_view_range
+from zend.buffers.shared import RESOURCE_EXHAUSTED, SharedBuffer, SharedBufferError, check_view_range
 from zend.buffers.wire import ProtocolError
 
 log = logging.getLogger("zend.buffers")
@@ -44,10 +59,11 @@ class CudaBuffer(SharedBuffer):
     calls :meth:`open`. There is no file descriptor: :meth:`fileno` and :meth:`attach` refuse.
     """
 
-    def __init__(self, buffer_id: str, tensor: torch.Tensor, pool: Any, *, owner: bool) -> None:
+    def __init__(self, buffer_id: str, tensor: torch.Tensor, pool: Any, *, owner: bool, device: torch.device) -> None:
         """Internal: use :meth:`create` or :meth:`open`."""
         super().__init__(buffer_id, tensor.numel(), -1, None)
-        self.device = str(tensor.device)
+        self.device = str(device)
+        self._device = device
         self._tensor: torch.Tensor | None = tensor
         self._pool = pool  # the private MemPool the allocation lives in, held as long as the buffer
         self._owner = owner
@@ -55,23 +71,20 @@ class CudaBuffer(SharedBuffer):
 
     @classmethod
     def create(cls, nbytes: int, buffer_id: str, device: str = "cuda:0") -> Self:
-        """A new zero-filled buffer of ``nbytes`` bytes on ``device`` ("cuda:N"), alone in its allocation."""
+        """A new zero-filled buffer of ``nbytes`` bytes on ``device`` ("cuda:N"), alone in its allocation.
+        Out of GPU memory is a SharedBufferError with code RESOURCE_EXHAUSTED naming the size."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
         dev = _cuda_device(device, buffer_id)
-        pool = _private_pool()
         try:
-            if pool is None:
-                tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            else:
-                with torch.cuda.use_mem_pool(pool, device=dev):
-                    tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            tensor.zero_()
-            torch.cuda.synchronize(dev)
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            tensor, pool = _allocate(nbytes, dev)
+        except torch.OutOfMemoryError as exc:
+            raise SharedBufferError(f"buffer {buffer_id!r}: {device} is out of memory for {nbytes} bytes: "
+                                    f"{str(exc).splitlines()[0]}", RESOURCE_EXHAUSTED) from exc
+        except RuntimeError as exc:
             raise SharedBufferError(f"buffer {buffer_id!r}: cannot allocate {nbytes} bytes on {device}: "
                                     f"{str(exc).splitlines()[0]}") from exc
-        return cls(buffer_id, tensor, pool, owner=True)
+        return cls(buffer_id, tensor, pool, owner=True, device=dev)
 
     @classmethod
     def attach(cls, fd: int, nbytes: int, buffer_id: str) -> Self:
@@ -86,8 +99,6 @@ class CudaBuffer(SharedBuffer):
             ProtocolError: a field is missing or has the wrong type.
             SharedBufferError: the device is absent here or CUDA cannot open the handle.
         """
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         if not isinstance(handle, dict):
             raise ProtocolError(f"cuda_ipc handle must be an object, got {type(handle).__name__}")
         buffer_id = _get(handle, "buffer", str)
@@ -101,16 +112,15 @@ class CudaBuffer(SharedBuffer):
                                 f"storage_size_bytes={storage_size}, storage_offset_bytes={storage_offset} "
                                 "do not describe a buffer")
         try:
-            tensor = rebuild_cuda_tensor(
-                torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, dev.index,
-                _get_bytes(handle, "handle"), storage_size, storage_offset, False,
+            tensor = _rebuild(
+                nbytes, dev.index, _get_bytes(handle, "handle"), storage_size, storage_offset,
                 _get_bytes(handle, "ref_counter_handle"), _get(handle, "ref_counter_offset", int),
                 _get_bytes(handle, "event_handle", optional=True), _get(handle, "event_sync_required", bool),
             )
         except RuntimeError as exc:
             raise SharedBufferError(f"buffer {buffer_id!r}: cannot open its CUDA IPC handle on {device}: "
                                     f"{str(exc).splitlines()[0]}") from exc
-        return cls(buffer_id, tensor, None, owner=False)
+        return cls(buffer_id, tensor, None, owner=False, device=dev)
 
     def export(self) -> dict[str, Any]:
         """The JSON-able CUDA IPC handle for :meth:`open` in one trainer process.
@@ -124,8 +134,14 @@ class CudaBuffer(SharedBuffer):
                 raise SharedBufferError(f"buffer {self.buffer_id!r} was opened from a handle; only its creator "
                                         "exports it")
             if self._handle is None:
-                (_, handle, storage_size, storage_offset, ref_handle, ref_offset, event_handle,
-                 event_sync) = tensor.untyped_storage()._share_cuda_()
+                try:
+                    (_, handle, storage_size, storage_offset, ref_handle, ref_offset, event_handle,
+                     event_sync) = _share(tensor)
+                except RuntimeError as exc:  # expandable segments, a driver refusal: this buffer, not the session
+                    raise SharedBufferError(f"buffer {self.buffer_id!r} on {self.device}: cannot export its CUDA "
+                                            f"IPC handle: {str(exc).splitlines()[0]} (with PYTORCH_CUDA_ALLOC_CONF="
+                                            "expandable_segments:True in the daemon, torch cannot share its "
+                                            "memory: unset it for zend)") from exc
                 self._handle = {
                     "buffer": self.buffer_id, "nbytes": self.nbytes, "device": self.device,
                     "handle": _b64(handle), "storage_size_bytes": int(storage_size),
@@ -139,6 +155,13 @@ class CudaBuffer(SharedBuffer):
     @property
     def closed(self) -> bool:
         return self._tensor is None
+
+    def publish(self) -> None:
+        """This side's queued writes done before the buffer is handed over: the current stream synchronised
+        (the other process runs on streams of its own and would read what is not written yet)."""
+        with self._lock:
+            self._live()
+        _order(self._device)
 
     def fileno(self) -> int:
         raise SharedBufferError(f"buffer {self.buffer_id!r} on {self.device} has no file descriptor: "
@@ -160,9 +183,9 @@ class CudaBuffer(SharedBuffer):
             self._pool = None
         if self._owner:
             try:
-                torch.cuda.ipc_collect()  # free blocks whose trainers have let go
+                _release()
             except RuntimeError as exc:
-                log.warning("buffer %s: torch.cuda.ipc_collect failed: %s", self.buffer_id, exc)
+                log.warning("buffer %s: returning its memory failed: %s", self.buffer_id, exc)
 
     def _live(self) -> torch.Tensor:
         if self._tensor is None:
@@ -182,14 +205,66 @@ def _cuda_device(device: str, buffer_id: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _private_pool() -> Any:
-    """A fresh MemPool that never splits its segments, or None where this torch has none."""
+def no_expandable_segments() -> bool:
+    """Turn torch's expandable segments off in this process (the daemon, before its first CUDA buffer):
+    their memory cannot be exported by CUDA IPC. True if they had been asked for."""
+    wanted = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if wanted:
+        setting = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setting is not None:
+            setting("expandable_segments:False")
+        log.warning("PYTORCH_CUDA_ALLOC_CONF asks for expandable_segments: turned off in zend, whose CUDA buffers "
+                    "are shared by IPC (trainers may keep them)")
+    return wanted
+
+
+def _private_pool(dev: torch.device) -> Any:
+    """A fresh MemPool on `dev` that never splits its segments (an older torch: one that may; none: None)."""
     pool_cls = getattr(torch.cuda, "MemPool", None)
     if pool_cls is None or not hasattr(torch.cuda, "use_mem_pool"):
         log.warning("torch %s has no torch.cuda.MemPool: CUDA buffers share allocations with other tensors",
                     torch.__version__)
         return None
-    return pool_cls(no_split=True)
+    with torch.cuda.device(dev):
+        try:
+            return pool_cls(no_split=True)
+        except TypeError:  # a torch whose MemPool takes no no_split: the buffer is still its pool's only tensor
+            return pool_cls()
+
+
+def _allocate(nbytes: int, dev: torch.device) -> tuple[torch.Tensor, Any]:
+    """`nbytes` zeroed bytes on `dev`, alone in a private pool (and the pool)."""
+    pool = _private_pool(dev)
+    if pool is None:
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    else:
+        with torch.cuda.use_mem_pool(pool, device=dev):
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    tensor.zero_()
+    torch.cuda.synchronize(dev)
+    return tensor, pool
+
+
+def _share(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(tensor.untyped_storage()._share_cuda_())
+
+
+def _rebuild(nbytes: int, device_index: int, handle: bytes | None, storage_size: int, storage_offset: int,
+             ref_handle: bytes | None, ref_offset: int, event_handle: bytes | None, event_sync: bool) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(torch.Tensor, (nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, device_index,
+                               handle, storage_size, storage_offset, False, ref_handle, ref_offset, event_handle,
+                               event_sync)
+
+
+def _order(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _release() -> None:
+    torch.cuda.ipc_collect()  # blocks whose trainers have let go
+    torch.cuda.empty_cache()  # and back to the driver: a freed private pool's blocks stay cached otherwise
 
 
 def _b64(data: bytes) -> str:

@@ -132,6 +132,13 @@ class SharedBuffer:
                 return torch.empty(0, dtype=dtype)
             return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
 
+    def publish(self) -> None:
+        """Make this side's writes visible to the other process before handing the buffer over (a step
+        submitted, a result answered). Shared memory needs nothing: a device buffer orders its stream."""
+
+    def acquire(self) -> None:
+        """See what the other process published before reading (its counterpart of `publish`)."""
+
     def close(self) -> None:
         """Close the descriptor and drop the mapping; idempotent.
 

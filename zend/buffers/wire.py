@@ -44,7 +44,7 @@ HEADER = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 64 << 10
 MAX_FDS = 1
 MAX_ID_CHARS = 128
-_DEVICE = re.compile(r"cpu|cuda:(0|[1-9][0-9]{0,3})")
+_DEVICE = re.compile(r"cpu|fenced|cuda:(0|[1-9][0-9]{0,3})")  # fenced: a test double (fenced.py), served only in tests
 
 
 class ProtocolError(ValueError):
@@ -177,7 +177,7 @@ def parse_request(body: dict[str, Any]) -> Request:
         nbytes = _field(body, "nbytes", int)
         device = _field(body, "device", str)
         if not _DEVICE.fullmatch(device):
-            raise ProtocolError(f"alloc: device {device[:40]!r} is not 'cpu' or 'cuda:N'")
+            raise ProtocolError(f"alloc: device {device[:40]!r} is not 'cpu' or 'cuda:N'")  # (nor the test double)
         return Alloc(nbytes, device)
     if op == "free":
         return Free(_field(body, "buffer", str))

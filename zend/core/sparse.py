@@ -161,14 +161,14 @@ class SparseGrad:
         if deterministic and vals.is_cuda:
             summed = torch.segment_reduce(vals, "sum", lengths=counts, axis=0)
         else:
-            inverse = torch.repeat_interleave(torch.arange(unique.numel(), device=idx.device), counts)
-            summed = torch.zeros(unique.numel(), self.row_len, dtype=torch.float32, device=vals.device)
+            inverse = torch.repeat_interleave(counts)  # i, counts[i] times
+            summed = vals.new_zeros(unique.numel(), self.row_len)
             summed.index_add_(0, inverse, vals)  # sequential on CPU: deterministic
         values = summed.to(self.dtype).reshape(unique.numel(), *self.row_shape)
         return SparseGrad(unique, values, self.num_rows, self.name, True)
 
     def to_dense(self) -> torch.Tensor:
-        out = torch.zeros(self.dense_shape, dtype=self.dtype, device=self.device)
+        out = self.values.new_zeros(self.dense_shape)
         if self.nnz:
             out.index_put_((self.indices.to(torch.int64),), self.values, accumulate=True)
         return out

@@ -23,6 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import BufferServer, ClaimRefused, SessionInfo
+from zend.buffers.cuda import no_expandable_segments
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission
@@ -57,7 +58,9 @@ class Daemon:
         self.secret = load_secret(s.secret_file or None)
         self.metrics = DaemonMetrics(s.rank)
         self.registry = JobRegistry(self.secret, s.max_tensors_per_job, s.max_session_bytes, s.max_sessions_per_job)
-        # GPU buffers (CUDA IPC) wherever the daemon sees a GPU
+        # GPU buffers (CUDA IPC) wherever the daemon sees a GPU, never in expandable segments (IPC cannot share them)
+        if torch.cuda.is_available():
+            no_expandable_segments()
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
                                     on_step=lambda info, request: self.socket_steps(info, request),
                                     max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,

@@ -63,16 +63,18 @@ class StepOutcome:
 
 
 def local_sum(spec: TensorSpec, grads: Sequence[SparseGrad]) -> SparseGrad:
-    """The node's gradient: the sum of its trainers' parts (float32 accumulation, one rounding)."""
+    """The node's gradient: the sum of its trainers' parts (float32 accumulation, one rounding), on the
+    first part's device (one trainer per GPU: each part lies on its trainer's own GPU)."""
     if len(grads) == 1:
         return grads[0].coalesce()
+    device = grads[0].device
     if spec.layout == "dense":
         total = grads[0].values.to(torch.float32).clone()
         for g in grads[1:]:
-            total += g.values
+            total += g.values.to(device)
         return SparseGrad(grads[0].indices, total.to(spec.dtype), spec.num_rows, spec.name, True)
-    indices = torch.cat([g.indices.to(torch.int64) for g in grads])
-    values = torch.cat([g.values for g in grads])
+    indices = torch.cat([g.indices.to(device, torch.int64) for g in grads])
+    values = torch.cat([g.values.to(device) for g in grads])
     return SparseGrad(indices, values, spec.num_rows, spec.name).coalesce()
 
 

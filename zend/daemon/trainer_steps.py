@@ -44,6 +44,10 @@ class Buffer(Protocol):
 
     def view(self, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor: ...
 
+    def publish(self) -> None: ...  # our writes visible to the trainer (a GPU buffer: our stream has run them)
+
+    def acquire(self) -> None: ...  # the trainer's published writes visible to us
+
 
 BufferLookup = Callable[[str, str], Buffer]  # (session id, buffer id) -> buffer; raises if not that session's
 BufferRef = tuple[str, int]  # (buffer id, byte offset)
@@ -227,6 +231,7 @@ class TrainerSteps:
         if isinstance(room, ResultRoom):  # assembled in a result buffer: nothing to write if it is this one
             self._check_held(room, ticket)
             if ticket.out is room.buf and ticket.result_ref[1] == room.offset:
+                room.buf.publish()
                 self.metrics.record_delivery(outcome.scheme, 0.0)
                 self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
                 return outcome
@@ -281,6 +286,7 @@ class TrainerSteps:
     def _read(spec: TensorSpec, buf: Buffer, offset: int, nnz: int) -> SparseGrad:
         """A zero-copy view of the part, every index and value checked (the trainer may have written anything)."""
         try:
+            buf.acquire()
             return spec.read(buf.view, offset, nnz)
         except (SparseGradError, ValueError) as exc:
             raise StepError(codes.INVALID_ARGUMENT, str(exc)) from None
@@ -357,6 +363,7 @@ class TrainerSteps:
                                                       f"the result needs {need} from offset {ref[1]} "
                                                       f"(submit the step again with a larger one)")
         spec.write(outcome.grad, out.view, ref[1])
+        out.publish()  # before the answer: the trainer reads as soon as it has it
         self.metrics.record_delivery(outcome.scheme, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ the step

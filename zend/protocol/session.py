@@ -20,7 +20,7 @@ import torch
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-from zend.buffers import BufferClient
+from zend.buffers import BufferClient, fenced
 from zend.buffers.shared import SharedBufferError  # also the client's: a buffer the daemon refused
 from zend.core import dtypes
 from zend.core.sparse import SparseGrad
@@ -106,6 +106,8 @@ class TrainerSession:
     def register(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, dense: bool = False,
                  average: bool = False, device: str = "cpu") -> TensorHandle:
         """Buffers on `device`: "cpu" (shared memory) or "cuda:N" (daemon-owned GPU memory, CUDA IPC)."""
+        if device == "cpu" and fenced.enabled():  # tests: shared memory that behaves like a device's
+            device = fenced.DEVICE
         layout = "dense" if dense else "sparse_rows"
         dtype_name = dtypes.BY_TORCH[dtype].name
         reply = self.stub.RegisterTensor(pb.RegisterTensorRequest(
@@ -143,7 +145,9 @@ class TrainerSession:
         spec = handle.spec
         buf = self._input_buffer(handle, spec.nbytes(grad.nnz))
         spec.write(grad, buf.view, 0)
+        buf.publish()  # written before the daemon reads it (a GPU buffer: our stream has run the copies)
         reply = handle.last_reply = self.submit(handle, step, buf.buffer_id, grad.nnz, timeout_s or self.timeout_s)
+        handle.result.acquire()
         out = spec.read(handle.result.view, 0, reply.nnz, check=False)  # the daemon's own output
         # read() copied the indices; the values are a view of the result buffer unless copied here
         return out if not copy else out.with_values(out.values.clone())
