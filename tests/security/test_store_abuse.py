@@ -376,8 +376,8 @@ def test_an_open_session_whose_reply_never_arrives_frees_its_local_rank(listener
             try:
                 reply = stub.OpenSession(request, timeout=deadline_ms / 1000, metadata=metadata)
                 stub.CloseSession(pb.CloseSessionRequest(session_id=reply.session_id), timeout=10, metadata=metadata)
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+            except grpc.RpcError as exc:  # too late; or the one before's session is still being closed
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or "already taken" in (exc.details() or ""), exc
     deadline = time.monotonic() + 5
     while True:  # within a moment, not the 60 s claim timeout
         try:

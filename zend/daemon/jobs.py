@@ -137,13 +137,17 @@ class JobRegistry:
                                                 f"on this node, over its quota of {self.max_sessions_per_job} "
                                                 "sessions (max_sessions_per_job)")
         with self._lock:
-            for s in self.sessions.values():
+            for s in list(self.sessions.values()):
                 if s.job != job:
                     continue
                 if s.local_world_size != local_world_size:
                     raise StepError(FAILED_PRECONDITION, f"job {job!r} runs {s.local_world_size} trainers on this node,"
                                                          f" not {local_world_size}")
-                if s.local_rank == local_rank:
+                if s.local_rank == local_rank and not s.claimed and s.pid == pid:
+                    # the same trainer asks again before it claimed the first: that reply never reached it
+                    # (its deadline passed as the answer went out), so the first session is nobody's
+                    del self.sessions[s.session_id]
+                elif s.local_rank == local_rank:
                     raise StepError(FAILED_PRECONDITION, f"local rank {local_rank} of job {job!r} is already taken "
                                                          f"by pid {s.pid}")
             session = Session(secrets.token_hex(16), job, local_rank, local_world_size, pid)

@@ -93,7 +93,15 @@ class TrainerService(pb_grpc.TrainerServicer):
             opening.add_done_callback(
                 lambda f: None if f.cancelled() or f.exception() is not None else self._unanswered(f.result()))
             raise
-        context.add_done_callback(lambda done: self._unanswered(s) if done.cancelled() else None)
+        closed: list[bool] = []
+
+        def unanswered(done: Any) -> None:
+            if done.cancelled() and not closed:
+                closed.append(True)
+                self._unanswered(s)
+
+        context.add_done_callback(unanswered)
+        unanswered(context)  # over already (its deadline passed while it was opened): no callback comes
         log.info("session opened", extra={"event": "session_open", "job": s.job, "local_rank": s.local_rank,
                                           "pid": s.pid})
         m = self.membership()
