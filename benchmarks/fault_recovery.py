@@ -40,13 +40,15 @@ sys.path.insert(0, str(ROOT))
 from zend.cluster.local import LocalCluster  # noqa: E402
 from zend.cluster.netns import EmulatedCluster  # noqa: E402
 from zend.core.sparse import SparseGrad  # noqa: E402
-from zend.protocol.session import StepRefused, TrainerSession  # noqa: E402
+from zend.protocol.session import TrainerSession  # noqa: E402
+from zend.protocol.step import StepFailed  # noqa: E402
 
 ROWS, DIM = 20_000, 16
 TRAINER = """
 import sys, time, torch
 from zend.core.sparse import SparseGrad
-from zend.protocol.session import StepRefused, TrainerSession
+from zend.protocol.session import TrainerSession
+from zend.protocol.step import StepFailed
 socket_dir, token, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 link = TrainerSession(socket_dir, "j", token, 1, 2, timeout_s=120)
 h = link.register("emb", ({rows}, {dim}))
@@ -57,7 +59,7 @@ while True:
         link.allreduce(h, grad, step)
         print("ok", step, time.monotonic(), flush=True)
         step += 1
-    except StepRefused as exc:
+    except StepFailed as exc:
         print("aborted", step, time.monotonic(), flush=True)
         time.sleep(0.05)
 """
@@ -81,8 +83,8 @@ class Trainer:
                 self.link.allreduce(self.handle, grad, self.step)
                 self.events.append(("ok", self.step, time.monotonic()))
                 self.step += 1
-            except StepRefused as exc:
-                self.events.append((exc.code().name, self.step, time.monotonic()))
+            except StepFailed as exc:
+                self.events.append((exc.code, self.step, time.monotonic()))
                 if self.stop:
                     return
                 time.sleep(0.05)

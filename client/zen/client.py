@@ -32,11 +32,13 @@ from zen.errors import (
     ZenError,
     from_buffer_error,
     from_rpc_error,
+    from_step_failed,
 )
 from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
 from zend.protocol import paths
 from zend.protocol.session import SharedBufferError, TensorHandle, TrainerSession
+from zend.protocol.step import StepFailed, StepResult
 
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
@@ -60,17 +62,7 @@ def checked_rows(rows: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
     return rows
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """What the daemon reported for a tensor's last step, as seen from this trainer's node."""
-
-    step: int
-    scheme: str
-    nnz: int  # non-zero rows of the result
-    bytes_sent: int  # by this node, for this tensor's step
-    bytes_received: int
-    dense_bytes: int  # what a dense ring allreduce would have sent from this node
-    phases: dict[str, float]  # seconds per phase in the daemon
+StepStats = StepResult  # what the daemon reported of a tensor's last step, as seen from this trainer's node
 
 
 @dataclass
@@ -212,7 +204,9 @@ class Client:
         try:
             with record_function(f"zen.allreduce[{name}]"):  # zen's steps show in torch.profiler traces
                 out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:  # by gRPC or on the socket (StepRefused reads the same)
+        except StepFailed as exc:  # by gRPC or on the socket: the same statuses
+            raise from_step_failed(exc, self.address) from None
+        except grpc.RpcError as exc:  # a call around the step (a buffer grown by gRPC)
             raise from_rpc_error(exc, self.address) from None
         except SharedBufferError as exc:  # the input buffer (a bigger one when nnz grew) was refused
             raise from_buffer_error(exc, f"tensor {name!r}") from None
@@ -224,7 +218,7 @@ class Client:
         assert r is not None  # allreduce returned: the step's reply is in
         if r.node_count:  # the generation the step ran in: world_size follows a scale-in
             self.generation, self._session.node_count = r.generation, r.node_count
-        entry.stats = StepStats(step, r.scheme, r.nnz, r.bytes_sent, r.bytes_received, r.dense_bytes, dict(r.phases))
+        entry.stats = r
         return self._as_output(out, kind, shape, tensor)
 
     def allreduce_many(self, tensors: Sequence[torch.Tensor], *, names: Sequence[str], average: bool = False,

@@ -1,8 +1,11 @@
-"""Typed exceptions: one mapping from the daemon's gRPC status codes, nothing else to catch."""
+"""Typed exceptions: one mapping from the daemon's status codes (a step's, by gRPC or on the buffer socket,
+or any other call's), nothing else to catch."""
 
 from __future__ import annotations
 
 import grpc
+
+from zend.protocol.step import StepFailed
 
 
 class ZenError(RuntimeError):
@@ -80,12 +83,20 @@ def from_buffer_error(exc: Exception, what: str) -> ZenError:
     return cls(f"{what}: {exc} [{code or 'INVALID_ARGUMENT'}]")
 
 
-def from_rpc_error(exc: grpc.RpcError, address: str) -> ZenError:
-    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+def from_status(code: str, details: str, address: str) -> ZenError:
+    """The typed error of a daemon status (zend.protocol.step.STATUSES), whichever way it came: the one table."""
     cls = _BY_CODE.get(code, ZenError)
     if code == "UNAVAILABLE" and ("connect" in (details or "").lower() or "No such file" in (details or "")):
         details = f"no zend daemon answers at {address}: {details}"
     err = cls(f"{details} [{code}]")
     err.code = code
     return err
+
+
+def from_rpc_error(exc: grpc.RpcError, address: str) -> ZenError:
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    return from_status(code, exc.details() if hasattr(exc, "details") else str(exc), address)
+
+
+def from_step_failed(exc: StepFailed, address: str) -> ZenError:
+    return from_status(exc.code, exc.message, address)

@@ -602,26 +602,26 @@ def test_steps_run_on_extra_connections_of_the_session_and_end_with_it(daemon_fa
     seen: list[tuple[str, int]] = []
     both_in = threading.Barrier(2, timeout=10)
 
-    def on_step(info: SessionInfo, request: wire.Step) -> dict[str, Any]:
-        seen.append((info.session_id, request.step))
-        if request.step in (1, 2):
+    def on_step(info: SessionInfo, body: dict[str, Any]) -> dict[str, Any]:
+        seen.append((info.session_id, body["step"]))
+        if body["step"] in (1, 2):
             both_in.wait()  # two steps in flight at once, one per connection
-        return wire.reply_ok(echo=request.step)
+        return wire.reply_ok(echo=body["step"])
 
-    d = daemon_factory(on_step=on_step)
+    d = daemon_factory(ops={"step": on_step})
     main = client(cleanup, sock_path, "alice")
     extra = [BufferClient(sock_path, "alice", token_of("alice"), timeout_s=10, attach=True) for _ in range(2)]
     for c in extra:
         cleanup.append(c.close)
     replies: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=lambda c=c, s=s: replies.append(c.step({**STEP, "step": s}, 10)))
+    threads = [threading.Thread(target=lambda c=c, s=s: replies.append(c.call({**STEP, "step": s}, 10)))
                for c, s in zip(extra, (1, 2), strict=True)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
     assert sorted(r["echo"] for r in replies) == [1, 2]
-    assert main.step({**STEP, "step": 3}, 10)["echo"] == 3  # the claiming connection may submit too
+    assert main.call({**STEP, "step": 3}, 10)["echo"] == 3  # the claiming connection may submit too
     assert sorted(seen) == [("alice", 1), ("alice", 2), ("alice", 3)]
     with pytest.raises((ConnectionError, SharedBufferError, ProtocolError)):
         extra[0].alloc(4096)  # a step connection sends steps only: it is dropped, the session is not
@@ -629,11 +629,11 @@ def test_steps_run_on_extra_connections_of_the_session_and_end_with_it(daemon_fa
     main.close()  # the session ends with its claiming connection, and its step connections with it
     assert wait_for(lambda: d.closed == ["alice"])
     with pytest.raises((ConnectionError, OSError)):
-        extra[1].step(STEP, 5)
+        extra[1].call(STEP, 5)
 
 
 def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_path, cleanup):
-    daemon_factory(on_step=lambda info, request: wire.reply_ok())
+    daemon_factory(ops={"step": lambda info, body: wire.reply_ok()})
     client(cleanup, sock_path, "alice")
     code = ("from zend.buffers import BufferClient\n"
             f"BufferClient({sock_path!r}, 'alice', {token_of('alice')!r}, timeout_s=10, attach=True)\n")
@@ -645,7 +645,7 @@ def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_
 
 
 def test_steps_are_refused_where_the_daemon_does_not_serve_them(daemon, sock_path, cleanup):
-    reply = client(cleanup, sock_path, "alice").step(STEP, 5)
+    reply = client(cleanup, sock_path, "alice").call(STEP, 5)
     assert reply["ok"] is False and "not served" in reply["error"]
 
 
@@ -654,5 +654,7 @@ def test_steps_are_refused_where_the_daemon_does_not_serve_them(daemon, sock_pat
     ("nnz", -1, "outside"), ("input", "", "characters"), ("tensor", "1", "must be int"),
 ])
 def test_a_malformed_step_is_named(field, value, match):
+    from zend.protocol.step import StepRequest
+
     with pytest.raises(ProtocolError, match=match):
-        wire.parse_request({**STEP, field: value})
+        StepRequest.from_wire({**STEP, field: value})

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from zend.cluster.local import LocalCluster
+from zend.protocol.step import StepFailed
 
 
 def run_all(bodies: list[Callable[[], Any]], timeout_s: float = 120.0) -> list[Any]:
@@ -33,8 +34,19 @@ def run_all(bodies: list[Callable[[], Any]], timeout_s: float = 120.0) -> list[A
 
 
 def status_code(result: Any) -> str:
-    assert isinstance(result, grpc.RpcError), f"expected an RPC error, got {result!r}"
+    """The status name of a failed call: a step's (StepFailed, whichever way it went) or another RPC's."""
+    if isinstance(result, StepFailed):
+        return result.code
+    assert isinstance(result, grpc.RpcError), f"expected an RPC error or a failed step, got {result!r}"
     return result.code().name  # type: ignore[no-any-return]
+
+
+def status_details(result: Any) -> str:
+    """The daemon's words of a failed call (as status_code)."""
+    if isinstance(result, StepFailed):
+        return result.message
+    assert isinstance(result, grpc.RpcError), f"expected an RPC error or a failed step, got {result!r}"
+    return result.details() or ""
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import torch
 from tests.daemon.conftest import run_all, status_code
 from tests.daemon.test_daemon import random_grad
 from tests.subprocess_env import with_project
-from zend.protocol.session import StepRefused, TrainerSession
+from zend.protocol.session import TrainerSession
+from zend.protocol.step import StepFailed
 
 PEER_TIMEOUT_S = 2.0
 EXTRA = ["--peer-timeout-s", str(PEER_TIMEOUT_S), "--step-timeout-s", "60", "--log-format", "text"]
@@ -60,13 +61,13 @@ def test_a_frozen_daemon_aborts_the_step_everywhere_and_after_it_thaws_the_retry
         results = run_all([lambda: survivor(0), lambda: survivor(1), freeze])
         detected = time.monotonic() - frozen["at"]
         for r in results[:2]:
-            assert status_code(r) == "ABORTED" and "rank 2" in r.details(), r
+            assert status_code(r) == "ABORTED" and "rank 2" in r.message, r
         assert detected < PEER_TIMEOUT_S + 1.0, f"aborted {detected:.2f} s after the freeze"
         c.send_signal(2, signal.SIGCONT)
         # the thawed node never delivers step 0 either: it learns of the abort when it reconnects
         try:
             thawed = links[2].allreduce(handles[2], random_grad(100, 4, 2), 0)
-        except StepRefused as exc:
+        except StepFailed as exc:
             thawed = exc
         assert status_code(thawed) == "ABORTED", thawed
         # every trainer submits step 0 again, once the links are back: the same sum everywhere
@@ -75,7 +76,7 @@ def test_a_frozen_daemon_aborts_the_step_everywhere_and_after_it_thaws_the_retry
             while True:
                 try:
                     return links[node].allreduce(handles[node], random_grad(100, 4, node), 0)
-                except StepRefused as exc:
+                except StepFailed as exc:
                     if status_code(exc) != "ABORTED" or time.monotonic() > deadline:
                         raise
                     time.sleep(0.2)
@@ -119,7 +120,7 @@ def test_a_trainer_killed_mid_step_aborts_it_for_every_trainer_on_every_node_the
         took = time.monotonic() - killed["at"]
         for r in results[:3]:
             assert status_code(r) == "ABORTED", r
-            assert "local rank 1" in r.details() and "node 0" in r.details() and "step 4" in r.details(), r
+            assert "local rank 1" in r.message and "node 0" in r.message and "step 4" in r.message, r
         assert took < PEER_TIMEOUT_S + 1.0, f"aborted {took:.2f} s after the kill"
         # the trainer restarts (a new session, the same local rank) and the job redoes step 4
         links[(0, 1)] = TrainerSession(c.socket_dir(0), "j", c.token("j"), 1, 2, timeout_s=60)

@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
@@ -26,6 +25,7 @@ from zend.core.sparse import SparseGrad
 from zend.protocol import paths
 from zend.protocol.health import health_status
 from zend.protocol.session import TrainerSession
+from zend.protocol.step import StepFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTCOMES = ("clear", "crash", "hang", "wrong_sum")
@@ -94,8 +94,8 @@ class Target:
                 for attempt in range(tries):
                     try:
                         return link.allreduce(h, grad(node), step).to_dense()
-                    except grpc.RpcError as exc:
-                        errors.append(f"node {node} attempt {attempt}: {exc.code().name}: {exc.details()}")
+                    except StepFailed as exc:
+                        errors.append(f"node {node} attempt {attempt}: {exc.code}: {exc.message}")
                         if attempt == tries - 1:
                             raise
                         link.ready(30)

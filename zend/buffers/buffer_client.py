@@ -35,7 +35,7 @@ class BufferClient:
 
     def __init__(self, path: str, session_id: str, token: str, timeout_s: float = 10.0, attach: bool = False) -> None:
         """`token`: the job token the session was opened with (the daemon refuses a claim without it).
-        `attach`: an extra connection of this process's connected session, for `step` only."""
+        `attach`: an extra connection of this process's connected session, for `call` only."""
         self.path = path
         self.session_id = session_id
         self._lock = threading.Lock()
@@ -129,13 +129,13 @@ class BufferClient:
     def closed(self) -> bool:
         return self._sock is None
 
-    def step(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send a "step" request and return the daemon's reply as it is (ok, or error and code): the
-        caller turns a refusal into its own error. Waits up to `timeout_s` for the reply."""
+    def call(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send a request for an op the daemon serves here (its step doorbell) and return the reply as it
+        is (ok, or error and code): the caller turns a refusal into its own error. Waits up to `timeout_s`."""
         with self._lock:
             if self._sock is not None:
                 self._sock.settimeout(timeout_s)
-            reply, _ = self._exchange(body, expect_fd=False, refusal_raises=False)
+            reply, _ = self._exchange(body, expect_fd=False, refusal_raises=False, extension=True)
             return reply
 
     def _request(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -143,12 +143,13 @@ class BufferClient:
             reply, _ = self._exchange(body, expect_fd=False)
             return reply
 
-    def _exchange(self, body: dict[str, Any], *, expect_fd: bool = True, refusal_raises: bool = True
-                  ) -> tuple[dict[str, Any], int | None]:
+    def _exchange(self, body: dict[str, Any], *, expect_fd: bool = True, refusal_raises: bool = True,
+                  extension: bool = False) -> tuple[dict[str, Any], int | None]:
         """Send a request, receive its reply; SharedBufferError with the daemon's message on refusal
-        (unless `refusal_raises` is off: the caller reads the refusal itself)."""
-        try:
-            wire.parse_request(body)  # what the daemon would drop the connection for is refused here
+        (unless `refusal_raises` is off: the caller reads the refusal itself). An `extension` op is the
+        daemon's to check (this side does not know its fields)."""
+        try:  # what the daemon would drop the connection for is refused here
+            wire.parse_request(body, frozenset({str(body.get("op"))}) if extension else frozenset())
         except wire.ProtocolError as exc:
             raise SharedBufferError(f"invalid request: {exc}") from exc
         sock = self._sock

@@ -26,7 +26,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,14 +58,16 @@ class SessionInfo:
 @dataclass(eq=False)
 class _Session:
     info: SessionInfo
-    token: bytes  # what its claiming hello proved; a step connection must present it too
+    token: bytes  # what its claiming hello proved; an attached connection must present it too
     buffers: dict[str, SharedBuffer] = field(default_factory=dict)
     nbytes: int = 0  # its buffers plus allocations in flight
     ended: bool = False
-    attached: set[socket.socket] = field(default_factory=set)  # its extra step connections
+    attached: set[socket.socket] = field(default_factory=set)  # its extra (extension op) connections
 
 
-StepHandler = Callable[[SessionInfo, wire.Step], dict[str, Any]]
+# an op the daemon serves on this socket beside the buffers' own (its step doorbell): the session that
+# sent it and the message as it came -> the reply's body; wire.ProtocolError drops the connection
+OpHandler = Callable[[SessionInfo, dict[str, Any]], dict[str, Any]]
 
 
 class BufferServer:
@@ -77,8 +79,8 @@ class BufferServer:
             unknown session, or raises :class:`ClaimRefused` (a wrong token: the session must stay
             claimable by its own trainer).
         on_session_closed: called with the session id after a session's buffers are freed.
-        on_step: runs a trainer's "step" request (the daemon's Submit) and returns the reply body;
-            None: steps are refused (Submit over gRPC only).
+        ops: the ops the daemon serves here beside alloc and free (its step doorbell,
+            zend.protocol.step), by name; the buffers know nothing of them. An unknown op is refused.
         max_session_bytes: the most bytes one session may hold.
         max_total_bytes: the most bytes all sessions together may hold.
         max_job_bytes: the most bytes the sessions of one job (``SessionInfo.job``) may hold together
@@ -88,18 +90,19 @@ class BufferServer:
         max_connections: connections served at once, each on its own thread; more are refused.
         max_connections_per_pid: of them, from one process (peers of unknown pid, 0 when they live in
             another pid namespace, count only towards max_connections).
-        max_step_connections: extra (step) connections one session may attach.
+        max_step_connections: extra connections one session may attach (for `ops` only).
     """
 
     def __init__(self, path: str, authenticate: Callable[[str, str], SessionInfo | None], *,
-                 on_session_closed: Callable[[str], None] = lambda s: None, on_step: StepHandler | None = None,
+                 on_session_closed: Callable[[str], None] = lambda s: None,
+                 ops: Mapping[str, OpHandler] | None = None,
                  max_session_bytes: int = 64 << 30, max_total_bytes: int = 256 << 30, max_job_bytes: int | None = None,
                  cuda_pool: bool = False, hello_timeout_s: float = 5.0, max_connections: int = 1024,
                  max_connections_per_pid: int = 64, max_step_connections: int = 256) -> None:
         self.path = path
         self._authenticate = authenticate
         self._on_session_closed = on_session_closed
-        self._on_step = on_step
+        self._ops = dict(ops or {})
         self.max_session_bytes = max_session_bytes
         self.max_total_bytes = max_total_bytes
         self.max_job_bytes = max_total_bytes if max_job_bytes is None else max_job_bytes
@@ -346,11 +349,11 @@ class BufferServer:
             wire.send_message(conn, wire.reply_ok(session=session.info.session_id))
             conn.settimeout(None)
             log.log(logging.DEBUG if attached else logging.INFO, "buffer socket: %s connected%s", who,
-                    " (steps)" if attached else "")
+                    " (attached)" if attached else "")
             while True:
-                request = _request(conn)
-                if attached and not isinstance(request, wire.Step):
-                    raise wire.ProtocolError("a step connection sends steps only")
+                request = _request(conn, frozenset(self._ops))
+                if attached and not isinstance(request, wire.Extension):
+                    raise wire.ProtocolError(f"an attached connection sends only {sorted(self._ops)}")
                 self._handle(conn, session, request)
         except wire.ProtocolError as exc:
             log.warning("buffer socket: dropping %s: %s", who, exc)
@@ -378,7 +381,7 @@ class BufferServer:
                 self._end_session(session)
 
     def _attach(self, conn: socket.socket, hello: wire.Hello, pid: int | None) -> _Session | None:
-        """A step connection of a connected session, from the process that holds it, with the token
+        """An attached connection of a connected session, from the process that holds it, with the token
         that claimed it; None if refused."""
         session_id = hello.session
         with self._lock:
@@ -390,8 +393,8 @@ class BufferServer:
             elif not hmac.compare_digest(session.token, hello.token.encode()):
                 error = "the token given is not the one that claimed it"
             elif len(session.attached) >= self.max_step_connections:
-                error = (f"it has {len(session.attached)} step connections, its limit ({self.max_step_connections}); "
-                         "submit from fewer threads")
+                error = (f"it has {len(session.attached)} attached connections, its limit "
+                         f"({self.max_step_connections}); submit from fewer threads")
             else:
                 session.attached.add(conn)
                 return session
@@ -431,11 +434,8 @@ class BufferServer:
     def _handle(self, conn: socket.socket, session: _Session, request: wire.Request) -> None:
         if isinstance(request, wire.Hello):
             raise wire.ProtocolError("'hello' may be sent only once")
-        if isinstance(request, wire.Step):
-            if self._on_step is None:
-                wire.send_message(conn, wire.reply_error("steps are not served on this socket: use Submit"))
-                return
-            wire.send_message(conn, self._on_step(session.info, request))
+        if isinstance(request, wire.Extension):
+            wire.send_message(conn, self._ops[request.op](session.info, request.body))
             return
         if isinstance(request, wire.Free):
             try:
@@ -558,7 +558,7 @@ class BufferServer:
             freed = session.nbytes
             self._charge(session, -freed)
             attached = list(session.attached)
-        for conn in attached:  # its step connections end with it (their threads see the socket close)
+        for conn in attached:  # its attached connections end with it (their threads see the socket close)
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         for buffer in buffers:
@@ -584,12 +584,12 @@ class BufferServer:
             log.warning("buffer socket: cannot remove %s: %s", self.path, exc)
 
 
-def _request(conn: socket.socket) -> wire.Request:
+def _request(conn: socket.socket, ops: frozenset[str] = frozenset()) -> wire.Request:
     message = wire.recv_message(conn)
     if message.fd is not None:
         os.close(message.fd)
         raise wire.ProtocolError("requests carry no file descriptor, but one was attached")
-    return wire.parse_request(message.body)
+    return wire.parse_request(message.body, ops)
 
 
 def _peer_pid(conn: socket.socket) -> int | None:

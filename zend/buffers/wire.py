@@ -8,14 +8,12 @@ buffers do. Each message is a 4-byte little-endian length and a UTF-8 JSON objec
     {"op": "hello", "session": "<id>", "token": "<t>"}   first, once
     {"op": "alloc", "nbytes": N, "device": "cpu"}        or "cuda:N"
     {"op": "free", "buffer": "<id>"}
-    {"op": "step", "tensor": T, "step": S, "input": "<id>", "input_offset": O, "nnz": K,
-     "result": "<id>", "result_offset": O, "timeout_s": F}
+    {"op": "<other>", ...}                                an op the daemon serves here (its step doorbell:
+                                                          zend.protocol.step), passed on as it came
 
-A "step" is a Submit without gRPC (the step's doorbell: a no-op gRPC call costs 0.5-0.9 ms of
-CPU, this one about 0.05): the daemon runs it as it runs a Submit and replies with the step's
-figures, or with an error and its status code name. A trainer may open more connections to its
-session, for steps only, with ``{"op": "hello", "session": "<id>", "token": "<t>", "attach": true}``
-from the same process: one per thread that submits, so that steps of different tensors overlap.
+A trainer may open more connections to its session, for those other ops only, with ``{"op":
+"hello", "session": "<id>", "token": "<t>", "attach": true}`` from the same process: one per thread
+that submits, so that steps of different tensors overlap.
 
 A hello's ``token`` is the job token the session was opened with: the session id alone claims
 nothing (another job's process that learnt it must not take the session, nor its buffers). A
@@ -67,15 +65,11 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class Step:
-    tensor: int
-    step: int
-    input: str
-    input_offset: int
-    nnz: int
-    result: str
-    result_offset: int
-    timeout_s: float
+class Extension:
+    """A request for an op the buffers themselves do not serve (the daemon's step doorbell), as it came."""
+
+    op: str
+    body: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ class Free:
     buffer: str
 
 
-Request = Hello | Alloc | Free | Step
+Request = Hello | Alloc | Free | Extension
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -159,8 +153,9 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], *, at_boundary: boo
     return b"".join(chunks)
 
 
-def parse_request(body: dict[str, Any]) -> Request:
-    """The request a message body holds; ProtocolError naming the bad op or field."""
+def parse_request(body: dict[str, Any], ops: frozenset[str] = frozenset()) -> Request:
+    """The request a message body holds; ProtocolError naming the bad op or field. `ops`: the other ops
+    the reader serves (passed on as an Extension, unchecked); any other is unknown."""
     op = body.get("op")
     if op == "hello":
         attach = body.get("attach", False)
@@ -169,32 +164,25 @@ def parse_request(body: dict[str, Any]) -> Request:
         if "token" not in body:
             raise ProtocolError("hello: missing field 'token' (the job token the session was opened with; "
                                 "a session id alone claims nothing)")
-        token = _field(body, "token", str)
+        token = checked_field(body, "token", str)
         if not (token.isascii() and token.isprintable()):
             raise ProtocolError("hello: field 'token' must be printable ASCII")
-        return Hello(_field(body, "session", str), token, attach)
+        return Hello(checked_field(body, "session", str), token, attach)
     if op == "alloc":
-        nbytes = _field(body, "nbytes", int)
-        device = _field(body, "device", str)
+        nbytes = checked_field(body, "nbytes", int)
+        device = checked_field(body, "device", str)
         if not _DEVICE.fullmatch(device):
             raise ProtocolError(f"alloc: device {device[:40]!r} is not 'cpu' or 'cuda:N'")  # (nor the test double)
         return Alloc(nbytes, device)
     if op == "free":
-        return Free(_field(body, "buffer", str))
-    if op == "step":
-        ints = {name: _field(body, name, int) for name in ("tensor", "step", "input_offset", "nnz", "result_offset")}
-        for name, value in ints.items():
-            if not 0 <= value < 1 << 63:
-                raise ProtocolError(f"step: field {name!r} = {value} is outside [0, 2^63)")
-        timeout = body.get("timeout_s")
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout <= 86400:
-            raise ProtocolError(f"step: field 'timeout_s' must be a number of seconds in (0, 86400], got {timeout!r}")
-        return Step(ints["tensor"], ints["step"], _field(body, "input", str), ints["input_offset"], ints["nnz"],
-                    _field(body, "result", str), ints["result_offset"], float(timeout))
-    raise ProtocolError(f"unknown op {str(op)[:40]!r} (expected 'hello', 'alloc', 'free' or 'step')")
+        return Free(checked_field(body, "buffer", str))
+    if isinstance(op, str) and op in ops:
+        return Extension(op, body)
+    raise ProtocolError(f"unknown op {str(op)[:40]!r}: not served on this socket (expected 'hello', 'alloc', "
+                        f"'free'{''.join(f', {o!r}' for o in sorted(ops))})")
 
 
-def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+def checked_field(body: dict[str, Any], name: str, kind: type) -> Any:
     """``body[name]``, checked to be of ``kind`` (bool is not an int here, strings are non-empty and short)."""
     op = body.get("op", "reply")
     if name not in body:
@@ -229,4 +217,4 @@ def check_reply(body: dict[str, Any]) -> str | None:
 
 def reply_field(body: dict[str, Any], name: str, kind: type) -> Any:
     """A checked field of a reply (same rules as request fields)."""
-    return _field(body, name, kind)
+    return checked_field(body, name, kind)

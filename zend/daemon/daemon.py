@@ -26,7 +26,7 @@ from zend.buffers import BufferServer, ClaimRefused, SessionInfo
 from zend.buffers.cuda import no_expandable_segments
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
-from zend.daemon import admission
+from zend.daemon import admission, socket_steps
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
 from zend.daemon.grpc_server import NETWORK_LISTENER_OPTIONS, GrpcServers, Registration
@@ -62,7 +62,7 @@ class Daemon:
         if torch.cuda.is_available():
             no_expandable_segments()
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
-                                    on_step=lambda info, request: self.socket_steps(info, request),
+                                    ops={socket_steps.OP: lambda info, body: self.socket_steps(info, body)},
                                     max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
                                     max_job_bytes=s.job_buffer_bytes, cuda_pool=torch.cuda.is_available(),
                                     hello_timeout_s=s.buffer_hello_timeout_s,

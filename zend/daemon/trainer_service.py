@@ -26,9 +26,10 @@ from zend.daemon.errors import StepError
 from zend.daemon.grpc_errors import maps_errors
 from zend.daemon.jobs import JobRegistry, Session, bearer_of
 from zend.daemon.membership import Membership
-from zend.daemon.trainer_steps import Admitted, TrainerSteps
+from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.enums import DTYPE_FROM_PROTO, LAYOUT_FROM_PROTO
 from zend.protocol.layout import TensorSpec
+from zend.protocol.step import StepRequest
 from zend.protocol.version import daemon_version
 
 MAX_READY_WAIT_S = 30.0  # one Ready call waits at most this long; clients call again
@@ -139,31 +140,11 @@ class TrainerService(pb_grpc.TrainerServicer):
 
     @maps_errors
     async def Submit(self, request: Any, context: Any) -> Any:
-        """Checked and filed on a handler thread; waited for on the event loop (no thread held), the
-        step itself run on a thread of its own; delivered on a handler thread."""
+        """A thin adapter to the daemon's one step entry (zend.protocol.step), on the event loop."""
         s = self._session(context, request.session_id)
         left = context.time_remaining()
-        wait_s = self.step_timeout_s if left is None else max(0.0, left - 0.05)  # answer before the deadline
-        steps, loop = self.trainer_steps, asyncio.get_running_loop()
-        admitting = loop.run_in_executor(None, steps.admit, s, request.tensor_id, request.step,
-                                         (request.input.buffer_id, request.input.offset), request.nnz,
-                                         (request.result.buffer_id, request.result.offset))
-        try:
-            ticket = await asyncio.shield(admitting)
-        except asyncio.CancelledError:  # the caller went away: the part may still be filed, and this
-            admitting.add_done_callback(  # trainer may be the last of the step: it runs, then is released
-                lambda f: None if f.cancelled() or f.exception() is not None else _abandon(steps, f.result()))
-            raise
-        try:
-            steps.run_elsewhere(ticket)
-            await steps.wait_async(ticket, wait_s)
-            out = await loop.run_in_executor(None, steps.deliver, ticket)
-        finally:
-            steps.release(ticket)
-        return pb.SubmitReply(nnz=out.grad.nnz, scheme=out.scheme, bytes_sent=out.bytes_sent,
-                              bytes_received=out.bytes_received, dense_bytes=out.dense_bytes,
-                              phases=[pb.PhaseSeconds(phase=k, seconds=v) for k, v in out.phases.items()],
-                              generation=out.generation, node_count=out.nodes)
+        step = StepRequest.from_proto(request, self.step_timeout_s if left is None else left)
+        return (await self.trainer_steps.step_async(s, step)).to_proto()
 
     @maps_errors
     async def Ready(self, request: Any, context: Any) -> Any:
@@ -177,12 +158,3 @@ class TrainerService(pb_grpc.TrainerServicer):
         m = self.membership()
         return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "",
                              job_step=self.job_step(s.job))
-
-
-def _abandon(steps: TrainerSteps, ticket: Admitted) -> None:
-    """A submission whose caller went away while it was filed: its step still runs if this trainer was
-    the last to arrive (the other trainers and nodes wait on it), then its quota place is freed."""
-    try:
-        steps.run_elsewhere(ticket)
-    finally:
-        steps.release(ticket)

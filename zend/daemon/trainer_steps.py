@@ -6,10 +6,12 @@ and waits. The last local trainer to arrive runs the node's step (NodeSteps) on 
 thread; each waiting trainer then copies the result into its own result buffer. Steps whose
 trainers never come, or whose trainer left, fail here with a status every waiter receives.
 
-The same in pieces for the gRPC Submit, which must not hold a handler thread while it waits:
-`admit` (checks, files), `run_elsewhere` (the step on a thread of its own), `wait_async` (on the
-event loop), `deliver`, and `release` always. A job has at most `max_submits_in_flight_per_job`
-submissions in here at once, either way; more are RESOURCE_EXHAUSTED.
+One entry, whichever way the step came (zend.protocol.step): `step` waits on the caller's thread
+(the buffer socket's doorbell), `step_async` on the event loop (the gRPC Submit, which must not
+hold a handler thread while it waits); both are `admit` (checks, files), `run` (the node's step,
+by the last trainer to arrive), a wait, `deliver`, and `release` always, and answer a StepResult or
+raise a StepError. A job has at most `max_submits_in_flight_per_job` submissions in here at once,
+either way; more are RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from zend.daemon.metrics import DaemonMetrics
 from zend.daemon.node_steps import NodeSteps, StepOutcome
 from zend.daemon.steps import Step, StepKey, StepTable
 from zend.protocol.layout import TensorSpec
+from zend.protocol.step import BufferRef, StepRequest, StepResult
 
 log = logging.getLogger("zend.node")
 
@@ -50,7 +53,6 @@ class Buffer(Protocol):
 
 
 BufferLookup = Callable[[str, str], Buffer]  # (session id, buffer id) -> buffer; raises if not that session's
-BufferRef = tuple[str, int]  # (buffer id, byte offset)
 
 
 class ResultRoom:
@@ -80,7 +82,7 @@ class Admitted:
     state: TensorState
     step: Step
     out: Buffer
-    result_ref: BufferRef
+    result_ref: BufferRef  # where in `out` the result goes
     submitted: float
     node: NodeSteps | None  # this trainer was the last to arrive: run the step (`run`) on this node
     released: bool = False
@@ -161,29 +163,64 @@ class TrainerSteps:
     def in_flight(self) -> int:
         return self.table.in_flight()
 
-    # ------------------------------------------------------------------ a trainer's submission
-    def submit(self, session: Session, tid: int, step_no: int, input_ref: BufferRef, nnz: int, result_ref: BufferRef,
-               wait_s: float) -> StepOutcome:
-        """Sum this trainer's part with every other trainer's; the outcome once it is in `result_ref`.
-        Waits on the calling thread (a buffers.sock connection's own)."""
-        ticket = self.admit(session, tid, step_no, input_ref, nnz, result_ref)
+    # ------------------------------------------------------------------ a trainer's step: the one entry
+    def step(self, session: Session, request: StepRequest) -> StepResult:
+        """Sum this trainer's part with every other trainer's; the result once it is in the trainer's result
+        buffer. Waits on the calling thread (a buffers.sock connection's own). StepError otherwise."""
+        ticket = self.admit(session, request)
         try:
             self.run(ticket)
-            self._wait(ticket.step, ticket.state.spec, wait_s)
+            self._wait(ticket.step, ticket.state.spec, self._answer_within(request))
             self._done_waiting(ticket)
-            return self.deliver(ticket)
+            return self._result(ticket, self.deliver(ticket))
         finally:
             self.release(ticket)
 
-    def admit(self, session: Session, tid: int, step_no: int, input_ref: BufferRef, nnz: int,
-              result_ref: BufferRef) -> Admitted:
+    async def step_async(self, session: Session, request: StepRequest) -> StepResult:
+        """`step` without holding a thread while it waits (the gRPC Submit, on the server's event loop):
+        checked and filed on a handler thread, waited for on the loop, the node's step run on a thread of its
+        own, delivered on a handler thread."""
+        loop = asyncio.get_running_loop()
+        admitting = loop.run_in_executor(None, self.admit, session, request)
+        try:
+            ticket = await asyncio.shield(admitting)
+        except asyncio.CancelledError:  # the caller went away: the part may still be filed, and this
+            admitting.add_done_callback(  # trainer may be the last of the step: it runs, then is released
+                lambda f: None if f.cancelled() or f.exception() is not None else self._abandon(f.result()))
+            raise
+        try:
+            self.run_elsewhere(ticket)
+            await self.wait_async(ticket, self._answer_within(request))
+            return self._result(ticket, await loop.run_in_executor(None, self.deliver, ticket))
+        finally:
+            self.release(ticket)
+
+    @staticmethod
+    def _answer_within(request: StepRequest) -> float:
+        return max(0.0, request.timeout_s - 0.05)  # answer before the trainer's deadline
+
+    @staticmethod
+    def _result(ticket: Admitted, out: StepOutcome) -> StepResult:
+        return StepResult(ticket.step.key.step, out.grad.nnz, out.scheme, out.bytes_sent, out.bytes_received,
+                          out.dense_bytes, dict(out.phases), out.generation, out.nodes)
+
+    def _abandon(self, ticket: Admitted) -> None:
+        """A submission whose caller went away while it was filed: its step still runs if this trainer was
+        the last to arrive (the other trainers and nodes wait on it), then its quota place is freed."""
+        try:
+            self.run_elsewhere(ticket)
+        finally:
+            self.release(ticket)
+
+    def admit(self, session: Session, request: StepRequest) -> Admitted:
         """Check the submission and file its part: quick, never waits. The caller must `release` it."""
         submitted = time.perf_counter()
-        state = self.registry.tensor(session.job, tid)
-        buf = self._input_buffer(session, state.spec, input_ref, nnz)
-        out = self._buffer(session, result_ref[0], "result")
-        step, node = self._join(session, state, step_no, self._read(state.spec, buf, input_ref[1], nnz))
-        return Admitted(session, state, step, out, result_ref, submitted, node)
+        state = self.registry.tensor(session.job, request.tensor)
+        buf = self._input_buffer(session, state.spec, request.input, request.nnz)
+        out = self._buffer(session, request.result.buffer, "result")
+        part = self._read(state.spec, buf, request.input.offset, request.nnz)
+        step, node = self._join(session, state, request.step, part)
+        return Admitted(session, state, step, out, request.result, submitted, node)
 
     def run(self, ticket: Admitted) -> None:
         """Run the node's step here if this submission completed it (else nothing)."""
@@ -230,7 +267,7 @@ class TrainerSteps:
         room = outcome.placed
         if isinstance(room, ResultRoom):  # assembled in a result buffer: nothing to write if it is this one
             self._check_held(room, ticket)
-            if ticket.out is room.buf and ticket.result_ref[1] == room.offset:
+            if ticket.out is room.buf and ticket.result_ref.offset == room.offset:
                 room.buf.publish()
                 self.metrics.record_delivery(outcome.scheme, 0.0)
                 self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
@@ -274,11 +311,11 @@ class TrainerSteps:
 
     def _input_buffer(self, session: Session, spec: TensorSpec, ref: BufferRef, nnz: int) -> Buffer:
         """The trainer's input buffer, if it holds the `nnz` rows it claims to."""
-        buf = self._buffer(session, ref[0], "input")
+        buf = self._buffer(session, ref.buffer, "input")
         need = spec.nbytes(nnz)
-        if nnz > 1 << 40 or ref[1] + need > buf.nbytes:
-            raise StepError(codes.INVALID_ARGUMENT, f"input buffer {ref[0]!r} holds {buf.nbytes} bytes; "
-                                                    f"offset {ref[1]} + {need} bytes for nnz={nnz} of tensor "
+        if nnz > 1 << 40 or ref.offset + need > buf.nbytes:
+            raise StepError(codes.INVALID_ARGUMENT, f"input buffer {ref.buffer!r} holds {buf.nbytes} bytes; "
+                                                    f"offset {ref.offset} + {need} bytes for nnz={nnz} of tensor "
                                                     f"{spec.name!r} do not fit")
         return buf
 
@@ -358,11 +395,11 @@ class TrainerSteps:
     def _deliver(self, spec: TensorSpec, outcome: StepOutcome, out: Buffer, ref: BufferRef) -> None:
         t0 = time.perf_counter()
         need = spec.nbytes(outcome.grad.nnz)
-        if ref[1] + need > out.nbytes:
-            raise StepError(codes.RESOURCE_EXHAUSTED, f"result buffer {ref[0]!r} holds {out.nbytes} bytes; "
-                                                      f"the result needs {need} from offset {ref[1]} "
+        if ref.offset + need > out.nbytes:
+            raise StepError(codes.RESOURCE_EXHAUSTED, f"result buffer {ref.buffer!r} holds {out.nbytes} bytes; "
+                                                      f"the result needs {need} from offset {ref.offset} "
                                                       f"(submit the step again with a larger one)")
-        spec.write(outcome.grad, out.view, ref[1])
+        spec.write(outcome.grad, out.view, ref.offset)
         out.publish()  # before the answer: the trainer reads as soon as it has it
         self.metrics.record_delivery(outcome.scheme, time.perf_counter() - t0)
 
@@ -376,7 +413,7 @@ class TrainerSteps:
         if (spec.layout == "dense" or ticket.state.local_world_size != 1
                 or getattr(ticket.out, "device", "cpu") != "cpu"):
             return None
-        return ResultRoom(spec, ticket.out, ticket.result_ref[1], self._stamps, self._offers)
+        return ResultRoom(spec, ticket.out, ticket.result_ref.offset, self._stamps, self._offers)
 
     def _run(self, node: NodeSteps, state: TensorState, step: Step, room: ResultRoom | None = None) -> None:
         key = step.key

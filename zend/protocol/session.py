@@ -27,39 +27,9 @@ from zend.core.sparse import SparseGrad
 from zend.protocol import paths
 from zend.protocol.enums import DTYPE_TO_PROTO, LAYOUT_TO_PROTO
 from zend.protocol.layout import TensorSpec
+from zend.protocol.step import BufferRef, StepFailed, StepRequest, StepResult
 
 log = logging.getLogger("zend.session")
-
-
-class StepRefused(grpc.RpcError):
-    """A step submitted on the buffer socket failed: the daemon's status, or the deadline passed, or
-    the daemon went away. It reads like the gRPC error the same step by Submit raises (code(),
-    details()), so that callers handle one kind of error whichever way the step went."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{message} [{code}]")
-        self.status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
-        self.message = message
-
-    def code(self) -> grpc.StatusCode:
-        return self.status
-
-    def details(self) -> str:
-        return self.message
-
-
-@dataclass(frozen=True)
-class StepReply:
-    """What the daemon reports of a step, whichever way it was submitted."""
-
-    nnz: int
-    scheme: str
-    bytes_sent: int
-    bytes_received: int
-    dense_bytes: int
-    phases: dict[str, float]  # seconds per phase in the daemon
-    generation: int = 0  # the membership generation the step ran in (0 from an older daemon)
-    node_count: int = 0  # its number of nodes
 
 
 @dataclass
@@ -69,7 +39,7 @@ class TensorHandle:
     device: str = "cpu"
     input: Any = None   # SharedBuffer, grown as needed
     result: Any = None  # SharedBuffer sized for the worst case (pages are only used when written)
-    last_reply: StepReply | None = None  # this tensor's last step
+    last_reply: StepResult | None = None  # this tensor's last step
 
 
 class TrainerSession:
@@ -137,7 +107,8 @@ class TrainerSession:
 
     def allreduce(self, handle: TensorHandle, grad: SparseGrad, step: int,
                   timeout_s: float | None = None, copy: bool = True) -> SparseGrad:
-        """Sum `grad` over every trainer of the job; returns the (coalesced) result.
+        """Sum `grad` over every trainer of the job; returns the (coalesced) result. StepFailed (its status
+        name and the daemon's words) if the step did not produce one.
 
         With `copy` (the default) the values are a copy the caller owns; without, they are a view
         of the shared result buffer, valid until the next `allreduce` of this tensor.
@@ -152,33 +123,27 @@ class TrainerSession:
         # read() copied the indices; the values are a view of the result buffer unless copied here
         return out if not copy else out.with_values(out.values.clone())
 
-    def submit(self, handle: TensorHandle, step: int, input_buffer: str, nnz: int, timeout_s: float) -> StepReply:
-        """Run step `step` of the tensor on `nnz` rows in `input_buffer`; the result lands in the
-        handle's result buffer. StepRefused (socket) or grpc.RpcError (gRPC) if the daemon refuses."""
+    def submit(self, handle: TensorHandle, step: int, input_buffer: str, nnz: int, timeout_s: float) -> StepResult:
+        """Run step `step` of the tensor on `nnz` rows in `input_buffer`; the result lands in the handle's
+        result buffer. StepFailed, whichever way it went, if the daemon did not produce one."""
+        request = StepRequest(handle.tensor_id, step, BufferRef(input_buffer), nnz, BufferRef(handle.result.buffer_id),
+                              timeout_s)
         link = self._step_link() if self.steps_on_socket else None
         if link is not None:
-            request = {"op": "step", "tensor": handle.tensor_id, "step": step, "input": input_buffer,
-                       "input_offset": 0, "nnz": nnz, "result": handle.result.buffer_id, "result_offset": 0,
-                       "timeout_s": timeout_s}
             try:
-                body = link.step(request, timeout_s)  # as with gRPC, the deadline is the caller's
+                body = link.call(request.to_wire(), timeout_s)  # as with gRPC, the deadline is the caller's
             except TimeoutError as exc:
-                raise StepRefused("DEADLINE_EXCEEDED", f"step {step}: no answer in {timeout_s:g} s: {exc}") from None
+                raise StepFailed("DEADLINE_EXCEEDED", f"step {step}: no answer in {timeout_s:g} s: {exc}") from None
             except (ConnectionError, OSError) as exc:
-                raise StepRefused("UNAVAILABLE", f"step {step}: {exc}") from None
+                raise StepFailed("UNAVAILABLE", f"step {step}: {exc}") from None
             if body.get("ok") is not True:
-                raise StepRefused(str(body.get("code", "UNKNOWN")), str(body.get("error", "step refused")))
-            return StepReply(int(body["nnz"]), str(body["scheme"]), int(body["bytes_sent"]),
-                             int(body["bytes_received"]), int(body["dense_bytes"]),
-                             {str(k): float(v) for k, v in dict(body["phases"]).items()},
-                             int(body.get("generation", 0)), int(body.get("node_count", 0)))
-        r = self.stub.Submit(pb.SubmitRequest(
-            session_id=self.session_id, tensor_id=handle.tensor_id, step=step,
-            input=pb.BufferRef(buffer_id=input_buffer, offset=0), nnz=nnz,
-            result=pb.BufferRef(buffer_id=handle.result.buffer_id, offset=0)),
-            timeout=timeout_s, metadata=self.metadata)
-        return StepReply(r.nnz, r.scheme, r.bytes_sent, r.bytes_received, r.dense_bytes,
-                         {p.phase: p.seconds for p in r.phases}, r.generation, r.node_count)
+                raise StepFailed(str(body.get("code", "UNKNOWN")), str(body.get("error", "step refused")))
+            return StepResult.from_wire(body, step)
+        try:
+            reply = self.stub.Submit(request.to_proto(self.session_id), timeout=timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise StepFailed(exc.code().name, exc.details() or str(exc)) from None
+        return StepResult.from_proto(reply, step)
 
     def _step_link(self) -> BufferClient | None:
         """This thread's step connection (made on first use); None once the daemon refused one."""
