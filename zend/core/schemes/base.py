@@ -131,8 +131,8 @@ def check_finite(ch: Channel, values: torch.Tensor, keys: torch.Tensor | None = 
     parts (one sum, the exact scan only when the sum is not finite)."""
     if ch.nonfinite != "reject":
         return
-    if values.dtype == torch.float32 and values.device.type == "cpu" and values.is_contiguous() \
-            and kernels.available() and kernels.all_finite(values.reshape(-1).numpy()):
+    if values.dtype == torch.float32 and values.is_contiguous() and kernels.serves(values) \
+            and kernels.all_finite(values.reshape(-1).numpy()):
         return
     bad = first_nonfinite(values)  # the twin, and after the kernel saw one, the exact scan that names it
     if bad is not None:

@@ -48,11 +48,11 @@ def zen_push_messages(parts: ZenPartitioner, grad: SparseGrad, allowed: tuple[En
     count the units per owner, then write each row's key and values straight into its owner's
     message (kernels.zen_scatter), with no grouping pass and no gather between. Partition `keep`
     (this rank's own) is made COO and not sent: its keys and values are read in place. Returns
-    (messages, partition `keep`, units per partition), or None where the kernel does not apply."""
-    n, width, domain = parts.num_parts, parts.unit_width, parts.domain_size(0)
-    if (parts.slices != 1 or n == 1 or grad.device.type != "cpu" or not kernels.available()
-            or parts.num_rows >= kernels.FAST_DIVISION_LIMIT or domain >= 2**31):
+    (messages, partition `keep`, units per partition), or None where the kernel does not apply
+    (`_push_compiles`): the caller then splits and encodes each part, the torch twin."""
+    if not _push_compiles(parts, grad):
         return None
+    n, width, domain = parts.num_parts, parts.unit_width, parts.domain_size(0)
     rows = grad.indices.to(torch.int64).contiguous().numpy()
     counts = kernels.zen_counts(rows, n, parts.hash.multiplier, parts.hash.salt).tolist()
     kinds = [Encoding.COO if j == keep else cheapest(c, width, domain, grad.dtype, allowed)
@@ -70,6 +70,12 @@ def zen_push_messages(parts: ZenPartitioner, grad: SparseGrad, allowed: tuple[En
                         buffer.numpy())
     own = messages[keep]
     return [m.buf for m in messages], Part(own.index, own.values), counts
+
+
+def _push_compiles(parts: ZenPartitioner, grad: SparseGrad) -> bool:
+    """Whole-row units (S = 1) of a CPU gradient, n >= 2, rows and keys within the kernels' ranges."""
+    return (parts.slices == 1 and parts.num_parts > 1 and kernels.serves(grad.values)
+            and parts.num_rows < kernels.FAST_DIVISION_LIMIT and parts.domain_size(0) < 2**31)
 
 
 class ParallelScheme(ExchangeScheme):
