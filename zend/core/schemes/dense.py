@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from zend.core import kernels
+from zend.core import costmodel, kernels
 from zend.core.codec import CodecError
 from zend.core.comm import Channel
 from zend.core.schemes import rowset
@@ -60,6 +60,12 @@ class DenseScheme(ExchangeScheme):
 
     name = "dense"
     coalesce_input = False  # densifying sums duplicates itself
+    auto_candidate = True
+    deterministic_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_dense(profile)
 
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
                  place: ResultPlace | None = None) -> SyncResult:

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from zend.core import kernels
+from zend.core import costmodel, kernels
 from zend.core.aggregate import slot_keys, sum_into
 from zend.core.codec import (
     Encoding,
@@ -201,6 +201,12 @@ class ZenScheme(ParallelScheme):
     """ZEN's Balanced Parallelism (hash partition, incremental aggregation at the owner)."""
 
     name = "zen"
+    auto_candidate = True
+    deterministic_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_balanced_parallel(profile)
 
     def __init__(self, seed: int = 0, min_slice_width: int = 8):
         self.seed = seed
@@ -219,6 +225,11 @@ class SparsePSScheme(ParallelScheme):
 
     name = "sparse_ps"
     encodings = COO_ONLY
+    auto_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_range_parallel(profile)
 
     def partitioner(self, grad: SparseGrad, world_size: int) -> RowRangePartitioner:
         return RowRangePartitioner(grad.num_rows, grad.row_len, world_size)
@@ -232,7 +243,7 @@ class OmniReduceScheme(ParallelScheme):
     carries every row it overlaps, sent or not, so the result is cut to the rows some rank sent
     (`rowset`: their bitmaps OR-reduced around a ring)."""
 
-    name = "omnireduce"
+    name = "omnireduce"  # no byte model (bytes_per_rank), so not one of auto's candidates
     encodings = COO_ONLY
 
     def __init__(self, block: int = 256):
