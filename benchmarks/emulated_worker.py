@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zend.core import Channel, make_scheme
+from zend.core import SCHEMES, Channel, make_scheme
 from zend.core.comm import barrier
-from zend.core.schemes.auto import CANDIDATES, AutoScheme
+from zend.core.schemes.auto import AutoScheme
 from zend.core.sparse import SparseGrad
 from zend.core.topk import TopKCompressor
 from zend.daemon.secret import load_secret
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master", required=True, help="host:port for torch.distributed gloo")
-    p.add_argument("--schemes", default="zen,hc,agsparse,omnireduce,sparse_ps,dense,auto,commit")
+    p.add_argument("--schemes", default=",".join([*SCHEMES, "commit"]))
     p.add_argument("--workload", default="rows", choices=["rows", "topk"])
     p.add_argument("--topk-elements", type=int, default=25_000_000)
     p.add_argument("--dim", type=int, default=64)
@@ -83,7 +83,7 @@ def main() -> None:
         scheme = make_scheme(name, seed=1)
         times, sent, recv = [], [], []
         if isinstance(scheme, AutoScheme):  # its profile and trials first: the table shows its choice
-            for i in range(1 + scheme.trials * len(CANDIDATES)):
+            for i in range(1 + scheme.trials * len(scheme.schemes)):
                 barrier(transport, f"w/{name}/{i}")
                 scheme.sync(Channel(transport, f"{name}/w{i}", timeout_s=120), grads[i % len(grads)])
         cpu = []

@@ -22,6 +22,7 @@ import torch
 
 from zend.core import Channel, make_scheme
 from zend.core.comm import Communicator
+from zend.core.schemes.auto import candidates
 from zend.core.sparse import SparseGrad
 from zend.runtime.tuning import tune_allocator
 from zend.simulator.traces import TokenTrace
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--nodes", default="4,8")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--seqs", type=int, default=8)
-    p.add_argument("--schemes", default="zen,sparse_ps,agsparse,hc,dense")
+    p.add_argument("--schemes", default=",".join(candidates()), help="default: auto's candidates")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

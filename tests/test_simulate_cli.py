@@ -76,3 +76,17 @@ def test_simulate_reaches_a_thousand_ranks_by_counting():
     assert zen.method == dense.method == "model"
     assert 0 < zen.bottleneck < dense.bottleneck
     assert zen.pull_imbalance < 1.5
+
+
+def test_every_registered_scheme_has_a_traffic_model_and_is_simulated_by_default():
+    import torch
+
+    from zend.core import SCHEMES
+    from zend.simulator import simulation, traffic_model
+
+    missing = [name for name, cls in SCHEMES.items() if cls not in traffic_model.TRAFFIC_MODELS]
+    assert not missing, f"registered schemes without a traffic model (zend/simulator/traffic_model.py): {missing}"
+    assert traffic_model.MODELLED == simulation.DEFAULT_SCHEMES == tuple(SCHEMES)
+    with pytest.raises(ValueError, match="scheme 'ring' has no traffic model; modelled: zen, hc, agsparse, "
+                                         "omnireduce, sparse_ps, dense, auto"):
+        traffic_model.step_traffic("ring", [np.arange(3)], 10, 4, torch.float32, 0)

@@ -33,15 +33,12 @@ class KeySlots:
 
 
 def slot_keys(key_lists: Sequence[torch.Tensor], domain: int | None = None) -> KeySlots:
-    """The union of key sets (each unique within itself, in [0, domain) when `domain` is given)."""
+    """The union of key sets (each unique within itself, in [0, domain) when `domain` is given): the
+    compiled merge where it applies (_merge_applies), else a table over the domain or a sort."""
     total = sum(k.numel() for k in key_lists)
+    if _merge_applies(key_lists, domain, total):
+        return _slots_by_merge(key_lists)
     device = key_lists[0].device
-    if (device.type == "cpu" and kernels.available() and len(key_lists) <= kernels.MAX_MERGE_RUNS
-            and (domain is None or domain > 2 * total) and all(ascending(k) for k in key_lists)):
-        # sorted sources (what the schemes send): merge them, no table over a sparse domain
-        union, slot = kernels.merge_runs([k.numpy().astype(np.int64, copy=False) for k in key_lists])
-        slots = torch.from_numpy(slot).split([k.numel() for k in key_lists])
-        return KeySlots(torch.from_numpy(union), list(slots))
     if domain is not None and domain <= _MARK_SLOTS_PER_KEY * max(total, 1):
         present = torch.zeros(domain, dtype=torch.int32, device=device)
         for k in key_lists:
@@ -56,6 +53,19 @@ def slot_keys(key_lists: Sequence[torch.Tensor], domain: int | None = None) -> K
         slots.append(inverse[start : start + k.numel()])
         start += k.numel()
     return KeySlots(unique, slots)
+
+
+def _merge_applies(key_lists: Sequence[torch.Tensor], domain: int | None, total: int) -> bool:
+    """Sorted sources (what the schemes send), few of them, over a sparse domain: merging them beats a
+    table over the domain."""
+    return (kernels.serves(key_lists[0]) and len(key_lists) <= kernels.MAX_MERGE_RUNS
+            and (domain is None or domain > 2 * total) and all(ascending(k) for k in key_lists))
+
+
+def _slots_by_merge(key_lists: Sequence[torch.Tensor]) -> KeySlots:
+    union, slot = kernels.merge_runs([k.numpy().astype(np.int64, copy=False) for k in key_lists])
+    slots = torch.from_numpy(slot).split([k.numel() for k in key_lists])
+    return KeySlots(torch.from_numpy(union), list(slots))
 
 
 def sum_into(acc: torch.Tensor, slots: KeySlots, values: Sequence[torch.Tensor], deterministic: bool) -> None:

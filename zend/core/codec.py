@@ -142,15 +142,18 @@ def _units_in(buf: torch.Tensor, kind: Encoding, count: int, unit_width: int, do
 
 
 def write_bitmap(bitmap: torch.Tensor, keys: torch.Tensor, domain: int) -> None:
-    """Set the bits of `keys` (unique, in [0, domain)) in the bitmap, clearing every other bit."""
-    count = keys.numel()
-    if not bitmap.is_cuda and kernels.available():
-        bitmap.zero_()
-        kernels.set_bits(bitmap.numpy(), keys.numpy())
-        return
+    """Set the bits of `keys` (unique, in [0, domain)) in the bitmap, clearing every other bit: in one
+    compiled pass over the keys where the kernels serve the bitmap, else in torch."""
     bitmap.zero_()
+    if kernels.serves(bitmap):
+        kernels.set_bits(bitmap.numpy(), keys.numpy())
+    else:
+        _set_bits_torch(bitmap, keys)
+
+
+def _set_bits_torch(bitmap: torch.Tensor, keys: torch.Tensor) -> None:
     # keys are unique, so adding the bits of a byte is OR-ing them
-    bit_values = torch.bitwise_left_shift(torch.ones(count, dtype=torch.uint8, device=keys.device),
+    bit_values = torch.bitwise_left_shift(torch.ones(keys.numel(), dtype=torch.uint8, device=keys.device),
                                           torch.bitwise_and(keys, 7).to(torch.uint8))
     bitmap.index_put_((torch.bitwise_right_shift(keys, 3).long(),), bit_values, accumulate=True)
 
@@ -221,11 +224,16 @@ def read_header(buf: torch.Tensor) -> Header:
 
 
 def _bitmap_keys(bitmap: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-    """Positions of the set bits, ascending (int64; at most `count` of them), and how many bits are set."""
-    if not bitmap.is_cuda and kernels.available():
+    """Positions of the set bits, ascending (int64; at most `count` of them), and how many bits are set:
+    word by word, compiled, where the kernels serve the bitmap, else in numpy or torch."""
+    if kernels.serves(bitmap):
         keys = torch.empty(count, dtype=torch.int64)
         found = kernels.bitmap_keys(bitmap.numpy(), keys.numpy())
         return keys[: min(found, count)], found
+    return _bitmap_keys_twin(bitmap)
+
+
+def _bitmap_keys_twin(bitmap: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not bitmap.is_cuda:
         # flatnonzero over a bool view: 4x faster than over the uint8 bits
         keys = torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), bitorder="little").view(np.bool_)))

@@ -14,6 +14,10 @@ one bit per row of the domain.
   2^(k-1) ranks: sum_k rows_k * row_bytes + min(rows_k * index_bytes, M / 8),
   rows_k = min(M, mean_rows * gamma(2^(k-1))), gamma(m) = m^alpha fitted to gamma_n.
 - Dense ring allreduce: 2 * (n-1)/n * M * (row_bytes + 1/8) (values, and a bit per row: the rows sent).
+
+Each formula is found through its scheme, the class's `bytes_per_rank` (zend.core.schemes), by
+which auto prunes and picks: no table here lists the schemes. The exact count of every message
+is another model, the simulator's (zend.simulator.traffic_model); an approximation is all auto needs.
 """
 
 from __future__ import annotations
@@ -90,13 +94,3 @@ def bytes_range_parallel(p: Profile) -> float:
     if n == 1:
         return 0.0
     return (n - 1) / n * (p.mean_rows + p.union_rows) * (p.index_bytes + p.row_bytes)
-
-
-COSTS = {"zen": bytes_balanced_parallel, "hc": bytes_hierarchical, "dense": bytes_dense}
-BYTES = {**COSTS, "agsparse": bytes_allgather, "sparse_ps": bytes_range_parallel}  # every scheme auto may try
-
-
-def choose(p: Profile) -> tuple[str, dict[str, float]]:
-    """The scheme with the fewest bytes among zen, hc and dense (ties go to the earlier)."""
-    costs = {name: fn(p) for name, fn in COSTS.items()}
-    return min(costs, key=lambda k: costs[k]), costs

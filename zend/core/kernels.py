@@ -2,19 +2,35 @@
 
 At the sizes a step moves (thousands of rows), a chain of twenty torch ops over small tensors
 costs more in dispatch than in work: a loop compiled once does the same in one pass, 2.5-3x
-faster (benchmarks/scheme_cpu.py). Every kernel here has a torch twin in the module that calls
-it, which CUDA tensors (and machines without numba) use; the tests check the two agree bit for
-bit. Kernels release the GIL, so the transport's receiver threads run meanwhile.
-Compiled code is cached on disk (numba's cache, next to this file or in $NUMBA_CACHE_DIR).
+faster (benchmarks/scheme_cpu.py). Every kernel here has a torch twin, which CUDA tensors (and
+machines without numba) use; the tests check the two agree bit for bit. Kernels release the GIL,
+so the transport's receiver threads run meanwhile. Compiled code is cached on disk (numba's
+cache, next to this file or in $NUMBA_CACHE_DIR).
+
+One function per hot operation picks the kernel or the twin, asking `serves` whether the kernels
+take its tensors and adding the kernel's own preconditions; its callers never ask:
+
+    kernel                     picked in                              twin
+    zen_split                  partition.ZenPartitioner.split         rotation, then a stable sort by owner
+    zen_assemble (merge_runs)  partition.ZenPartitioner.assemble      a table over the rows, or a sort
+    zen_counts, zen_scatter    schemes.parallel.zen_push_messages     split, then one encode per part
+    merge_runs                 aggregate.slot_keys                    a table over the domain, or a sort
+    set_bits                   codec.write_bitmap                     index_put of the bits
+    bitmap_keys                codec._bitmap_keys                     unpackbits (CPU) or shifts (CUDA)
+    all_finite                 schemes.base.check_finite              sparse.first_nonfinite
+    land_finite                schemes.dense._land                    check_finite, then add_ or copy_
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 numba: Any
 try:  # an optional speed-up: everything works without it
@@ -22,21 +38,31 @@ try:  # an optional speed-up: everything works without it
 except ImportError:  # pragma: no cover - numba is a dependency; this guards odd installs
     numba = None
 
+INSTALLED = numba is not None  # decided once, at import: without numba every operation takes its twin
 _MASK32 = 0xFFFFFFFF
 DISABLE_ENV = "ZEN_NO_KERNELS"  # set to 1 to run the torch twins (for comparison and tests)
 
 
 def available() -> bool:
-    return numba is not None and os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
+    """Whether the kernels run: numba is installed and ZEN_NO_KERNELS is off. The variable is read at
+    every call, so that a test or a benchmark can switch to the twins in a running process."""
+    return INSTALLED and os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: they run, and every tensor is in CPU memory (CUDA
+    tensors take the torch twins). The one question every hot operation asks before its own
+    preconditions (see the table above)."""
+    return available() and all(t.device.type == "cpu" for t in tensors)
 
 
 def _jit(fn: Any) -> Any:
-    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+    return numba.njit(cache=True, nogil=True)(fn) if INSTALLED else fn
 
 
 def _jit_reassoc(fn: Any) -> Any:
     """A loop whose float sum may be reordered (so that it vectorises); NaN and Inf keep their meaning."""
-    return numba.njit(cache=True, nogil=True, fastmath={"reassoc"})(fn) if numba is not None else fn
+    return numba.njit(cache=True, nogil=True, fastmath={"reassoc"})(fn) if INSTALLED else fn
 
 
 @_jit

@@ -163,17 +163,27 @@ class ZenPartitioner(Partitioner):
         return _mod_small(self.hash(blocks).add_(rows - blocks * n), n), blocks
 
     def split(self, grad: SparseGrad) -> list[Part]:
+        """The compiled grouping (kernels.zen_split) where it applies, else its torch twin."""
         rows = grad.indices.to(torch.int64)
-        n, s_count, width = self.num_parts, self.slices, self.unit_width
-        units = grad.flat_values().reshape(-1, width)  # unit u = row u // S, slice u % S
-        every_slice_everywhere = s_count == n and n > 1
-        if not every_slice_everywhere and rows.device.type == "cpu" and kernels.available():
-            order_np, keys_np, counts_np = kernels.zen_split(rows.numpy(), n, s_count, self.hash.multiplier,
-                                                             self.hash.salt)
-            order, keys, counts = torch.from_numpy(order_np), torch.from_numpy(keys_np), counts_np.tolist()
-            return [Part(k, units, o) for k, o in zip(keys.split(counts), order.split(counts), strict=True)]
+        units = grad.flat_values().reshape(-1, self.unit_width)  # unit u = row u // S, slice u % S
+        if not self._every_slice_everywhere() and kernels.serves(rows):
+            return self._split_compiled(rows, units)
+        return self._split_torch(rows, units)
+
+    def _every_slice_everywhere(self) -> bool:
+        """S = n > 1: each partition takes one slice of every row, a strided pick with nothing to group."""
+        return self.slices == self.num_parts and self.num_parts > 1
+
+    def _split_compiled(self, rows: torch.Tensor, units: torch.Tensor) -> list[Part]:
+        order_np, keys_np, counts_np = kernels.zen_split(rows.numpy(), self.num_parts, self.slices,
+                                                         self.hash.multiplier, self.hash.salt)
+        order, keys, counts = torch.from_numpy(order_np), torch.from_numpy(keys_np), counts_np.tolist()
+        return [Part(k, units, o) for k, o in zip(keys.split(counts), order.split(counts), strict=True)]
+
+    def _split_torch(self, rows: torch.Tensor, units: torch.Tensor) -> list[Part]:
+        n, s_count = self.num_parts, self.slices
         rot, blocks = self.rotation(rows)
-        if every_slice_everywhere:
+        if self._every_slice_everywhere():
             # every row gives each partition exactly one slice, s = (j - rot(r)) mod n: no sort,
             # partition j's units are a strided pick from the rows, in row order
             slice_of = _mod_small(torch.arange(n, device=rows.device).unsqueeze(1) + (n - rot), n)  # (n, nnz)
@@ -222,14 +232,18 @@ class ZenPartitioner(Partitioner):
         gets all S slices (each row that any rank had went to every slice's owner) is checked by
         counting, so the output, allocated uninitialised, has every element written.
         """
+        total = sum(p.count for p in parts)
+        marking = self.num_rows <= _MARK_ROWS_PER_UNIT * max(total, 1)
+        # whole-row units of a sparse union: merge the partitions' ascending rows, no table over all rows
+        merge = self.slices == 1 and len(parts) <= kernels.MAX_MERGE_RUNS and self.num_rows > 2 * total
+        if (marking or merge) and kernels.serves(template.values) and parts:
+            return self._assemble_compiled(parts, template, merge, place)
+        return self._assemble_torch(parts, template, marking)
+
+    def _assemble_torch(self, parts: Sequence[Part], template: SparseGrad, marking: bool) -> SparseGrad:
         dtype, device = template.dtype, template.device
         total = sum(p.count for p in parts)
         s_count, width = self.slices, self.unit_width
-        marking = self.num_rows <= _MARK_ROWS_PER_UNIT * max(total, 1)
-        # whole-row units of a sparse union: merge the partitions' ascending rows, no table over all rows
-        merge = s_count == 1 and len(parts) <= kernels.MAX_MERGE_RUNS and self.num_rows > 2 * total
-        if (marking or merge) and device.type == "cpu" and kernels.available() and parts:
-            return self._assemble_compiled(parts, template, merge, place)
         decoded = [self.rows_of(j, p.keys) for j, p in enumerate(parts)]
         for j, (r, _) in enumerate(decoded):
             if r.numel() and int(r.max()) >= self.num_rows:

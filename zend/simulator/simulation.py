@@ -20,7 +20,8 @@ import torch
 
 from zend.core import costmodel
 from zend.core.comm import Channel, Communicator
-from zend.core.schemes import make_scheme
+from zend.core.schemes import SCHEMES, make_scheme
+from zend.core.schemes.parallel import ParallelScheme
 from zend.core.sparse import SparseGrad
 from zend.simulator import traffic_model
 from zend.simulator.traces import TokenTrace
@@ -28,7 +29,7 @@ from zend.transport.inproc import InProcessCluster
 
 DEFAULT_WORLD_SIZES = (4, 8, 16, 32, 64, 128)
 EXACT_UP_TO = 128  # above this many ranks, method="auto" counts the traffic (traffic_model) instead
-DEFAULT_SCHEMES = ("zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto")
+DEFAULT_SCHEMES = tuple(SCHEMES)  # every registered scheme, in the registry's order
 
 
 @dataclass
@@ -150,13 +151,18 @@ def format_table(rows: Sequence[SimRow]) -> str:
         if last_n is not None and r.world_size != last_n:
             lines.append("")
         last_n = r.world_size
-        parallel = r.ran.split(":")[-1] in ("zen", "sparse_ps", "omnireduce")
-        imb = (f"{r.push_imbalance:5.2f} {r.push_load_imbalance:5.2f} {r.pull_imbalance:5.2f}" if parallel
+        imb = (f"{r.push_imbalance:5.2f} {r.push_load_imbalance:5.2f} {r.pull_imbalance:5.2f}" if _partitions(r.ran)
                else f"{'-':>5} {'-':>5} {'-':>5}")
         lines.append(
             f"{r.world_size:>4} {r.scheme:<11} {r.ran:<10} {r.max_recv_bytes / 1e6:9.3f} {r.max_sent_bytes / 1e6:9.3f} "
             f"{r.vs_dense:7.3f} {r.vs_lower_bound:7.3f} {imb} {_same(r.identical_on_all_ranks):>4} {r.method}")
     return "\n".join(lines)
+
+
+def _partitions(ran: str) -> bool:
+    """Whether the scheme that ran ("auto:zen" for auto) partitions the tensor: only those have imbalances."""
+    scheme = SCHEMES.get(ran.split(":")[-1])
+    return scheme is not None and issubclass(scheme, ParallelScheme)
 
 
 def _same(identical: bool | None) -> str:

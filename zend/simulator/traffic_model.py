@@ -6,14 +6,19 @@ message carries, not on their values: the size of every message follows from the
 partitioner's counts and the codec's exact sizes (`codec.encoded_size`, the cheaper encoding
 where a scheme may choose). So this module computes, for each scheme, every message's size
 from the same partitioners and the same encoding rule the schemes use, and sums them per rank.
-The figures equal the exchanged run's byte for byte (tests/simulator checks it at n <= 32, the
+The figures equal the exchanged run's byte for byte (tests/test_simulate_cli.py checks it, the
 note of issue 12 at n = 128); imbalances are computed from the same counts.
+
+Each scheme's model is found through its class (TRAFFIC_MODELS, keyed by the classes of the
+registry zend.core.schemes.SCHEMES): every model takes one step's rows (`Step`) and returns every
+rank's bytes. A registered scheme without a model fails tests/test_simulate_cli.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -21,10 +26,12 @@ import torch
 from zend.core import costmodel
 from zend.core.codec import Encoding, encoded_size
 from zend.core.partition import BlockRangePartitioner, RowRangePartitioner, ZenPartitioner
-from zend.core.schemes.parallel import BOTH, COO_ONLY
+from zend.core.schemes import SCHEMES, Scheme
+from zend.core.schemes.auto import PROFILER, AutoScheme, choose_by_bytes
+from zend.core.schemes.centralized import AGSparseScheme, HCScheme
+from zend.core.schemes.dense import DenseScheme
+from zend.core.schemes.parallel import BOTH, COO_ONLY, OmniReduceScheme, SparsePSScheme, ZenScheme
 from zend.core.sparse import SparseGrad
-
-MODELLED = ("zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto")
 
 
 @dataclass
@@ -37,6 +44,30 @@ class Traffic:
     push_imbalance: float = 1.0
     push_load_imbalance: float = 1.0
     pull_imbalance: float = 1.0
+
+
+@dataclass
+class Step:
+    """What a traffic model counts from: every rank's non-zero rows of one tensor in one step."""
+
+    row_sets: Sequence[np.ndarray]
+    num_rows: int
+    row_len: int
+    dtype: torch.dtype
+    seed: int
+    auto_choice: str | None = None  # what auto runs after profiling (None: it profiles)
+
+    @property
+    def n(self) -> int:
+        return len(self.row_sets)
+
+    @cached_property
+    def union(self) -> np.ndarray:
+        """The rows of the sum."""
+        return np.unique(np.concatenate(self.row_sets)) if self.row_sets else np.empty(0, dtype=np.int64)
+
+
+Model = Callable[[Step], Traffic]
 
 
 def _size(count: int, width: int, domain: int, dtype: torch.dtype, allowed: tuple[Encoding, ...]) -> int:
@@ -81,51 +112,51 @@ def _touched_blocks(parts: BlockRangePartitioner, rows: np.ndarray) -> np.ndarra
     return np.flatnonzero(np.cumsum(touched)[:-1] > 0)
 
 
-def zen_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_rows: int, row_len: int,
-                dtype: torch.dtype, seed: int, min_slice_width: int = 8) -> Traffic:
-    n = len(row_sets)
-    parts = ZenPartitioner(num_rows, row_len, n, seed, min_slice_width)
-    counts = np.stack([_zen_counts(parts, r) for r in row_sets])
-    owned = _zen_counts(parts, union)
-    return _parallel(counts, owned, parts.unit_width, [parts.domain_size(j) for j in range(n)], dtype, BOTH, "zen")
+def zen_traffic(step: Step, min_slice_width: int = 8) -> Traffic:
+    n = step.n
+    parts = ZenPartitioner(step.num_rows, step.row_len, n, step.seed, min_slice_width)
+    counts = np.stack([_zen_counts(parts, r) for r in step.row_sets])
+    owned = _zen_counts(parts, step.union)
+    return _parallel(counts, owned, parts.unit_width, [parts.domain_size(j) for j in range(n)], step.dtype, BOTH,
+                     ZenScheme.name)
 
 
-def sparse_ps_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_rows: int, row_len: int,
-                      dtype: torch.dtype) -> Traffic:
-    n = len(row_sets)
-    parts = RowRangePartitioner(num_rows, row_len, n)
-    counts = np.stack([_range_counts(parts, r) for r in row_sets])
-    return _parallel(counts, _range_counts(parts, union), row_len, [parts.domain_size(j) for j in range(n)], dtype,
-                     COO_ONLY, "sparse_ps")
+def sparse_ps_traffic(step: Step) -> Traffic:
+    n = step.n
+    parts = RowRangePartitioner(step.num_rows, step.row_len, n)
+    counts = np.stack([_range_counts(parts, r) for r in step.row_sets])
+    return _parallel(counts, _range_counts(parts, step.union), step.row_len, [parts.domain_size(j) for j in range(n)],
+                     step.dtype, COO_ONLY, SparsePSScheme.name)
 
 
-def omnireduce_traffic(row_sets: Sequence[np.ndarray], union: np.ndarray, num_rows: int, row_len: int,
-                       dtype: torch.dtype, block: int = 256) -> Traffic:
-    n = len(row_sets)
-    parts = BlockRangePartitioner(num_rows, row_len, n, block)
-    counts = np.stack([_range_counts(parts, _touched_blocks(parts, r)) for r in row_sets])
-    owned = _range_counts(parts, _touched_blocks(parts, union))
-    traffic = _parallel(counts, owned, block, [parts.domain_size(j) for j in range(n)], dtype, COO_ONLY, "omnireduce")
-    rows = rows_traffic(n, num_rows)  # the ring that cuts the result to the rows sent
+def omnireduce_traffic(step: Step, block: int = 256) -> Traffic:
+    n = step.n
+    parts = BlockRangePartitioner(step.num_rows, step.row_len, n, block)
+    counts = np.stack([_range_counts(parts, _touched_blocks(parts, r)) for r in step.row_sets])
+    owned = _range_counts(parts, _touched_blocks(parts, step.union))
+    traffic = _parallel(counts, owned, block, [parts.domain_size(j) for j in range(n)], step.dtype, COO_ONLY,
+                        OmniReduceScheme.name)
+    rows = rows_traffic(n, step.num_rows)  # the ring that cuts the result to the rows sent
     traffic.sent += rows
     traffic.recv += np.roll(rows, 1)
     return traffic
 
 
-def agsparse_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+def agsparse_traffic(step: Step) -> Traffic:
     """Ring allgather: rank r forwards every gradient but its successor's, receives all but its own."""
-    own = np.array([_size(len(r), row_len, num_rows, dtype, COO_ONLY) for r in row_sets], dtype=np.int64)
+    own = np.array([_size(len(r), step.row_len, step.num_rows, step.dtype, COO_ONLY) for r in step.row_sets],
+                   dtype=np.int64)
     total = own.sum()
-    return Traffic(total - np.roll(own, -1), total - own, "agsparse")
+    return Traffic(total - np.roll(own, -1), total - own, AGSparseScheme.name)
 
 
-def hc_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+def hc_traffic(step: Step) -> Traffic:
     """Recursive doubling (the extra ranks of a non-power-of-two world fold into partners first)."""
-    n = len(row_sets)
+    n, row_sets = step.n, step.row_sets
     sent, recv = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
 
     def size(rows: np.ndarray) -> int:
-        return _size(len(rows), row_len, num_rows, dtype, BOTH)
+        return _size(len(rows), step.row_len, step.num_rows, step.dtype, BOTH)
 
     power = 1 << (n.bit_length() - 1)
     extra = n - power
@@ -149,7 +180,7 @@ def hc_traffic(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtyp
         msg = size(held[r])
         sent[r] += msg
         recv[power + r] += msg
-    return Traffic(sent, recv, "hc")
+    return Traffic(sent, recv, HCScheme.name)
 
 
 def _ring_allreduce_sent(n: int, elements: int, item: int) -> np.ndarray:
@@ -165,35 +196,45 @@ def rows_traffic(n: int, num_rows: int) -> np.ndarray:
     return _ring_allreduce_sent(n, (num_rows + 7) // 8, 1)
 
 
-def dense_traffic(n: int, num_rows: int, row_len: int, dtype: torch.dtype) -> Traffic:
+def dense_traffic(step: Step) -> Traffic:
     """The ring of raw pieces, and the row bitmaps' ring before it."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    sent = _ring_allreduce_sent(n, num_rows * row_len, item) + rows_traffic(n, num_rows)
-    return Traffic(sent, np.roll(sent, 1), "dense")
+    item = torch.empty(0, dtype=step.dtype).element_size()
+    sent = _ring_allreduce_sent(step.n, step.num_rows * step.row_len, item) + rows_traffic(step.n, step.num_rows)
+    return Traffic(sent, np.roll(sent, 1), DenseScheme.name)
+
+
+def auto_traffic(step: Step) -> Traffic:
+    """What auto runs: its profiler (zen), or what it chose after profiling (`step.auto_choice`)."""
+    ran = step.auto_choice or PROFILER
+    t = model_of(ran)(step)
+    t.scheme = f"{AutoScheme.name}:{ran}"
+    return t
+
+
+TRAFFIC_MODELS: dict[type[Scheme], Model] = {
+    ZenScheme: zen_traffic,
+    HCScheme: hc_traffic,
+    AGSparseScheme: agsparse_traffic,
+    OmniReduceScheme: omnireduce_traffic,
+    SparsePSScheme: sparse_ps_traffic,
+    DenseScheme: dense_traffic,
+    AutoScheme: auto_traffic,
+}
+MODELLED = tuple(name for name, cls in SCHEMES.items() if cls in TRAFFIC_MODELS)  # in the registry's order
+
+
+def model_of(name: str) -> Model:
+    """The traffic model of registered scheme `name`; ValueError if it has none."""
+    scheme = SCHEMES.get(name)
+    if scheme is None or scheme not in TRAFFIC_MODELS:
+        raise ValueError(f"scheme {name!r} has no traffic model; modelled: {', '.join(MODELLED)}")
+    return TRAFFIC_MODELS[scheme]
 
 
 def step_traffic(name: str, row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype,
                  seed: int, auto_choice: str | None = None) -> Traffic:
     """One step of scheme `name` (auto: what it runs, zen to profile unless `auto_choice` is given)."""
-    if name == "auto":
-        ran = auto_choice or "zen"
-        t = step_traffic(ran, row_sets, num_rows, row_len, dtype, seed)
-        t.scheme = f"auto:{ran}"
-        return t
-    union = np.unique(np.concatenate(row_sets)) if row_sets else np.empty(0, dtype=np.int64)
-    if name == "zen":
-        return zen_traffic(row_sets, union, num_rows, row_len, dtype, seed)
-    if name == "sparse_ps":
-        return sparse_ps_traffic(row_sets, union, num_rows, row_len, dtype)
-    if name == "omnireduce":
-        return omnireduce_traffic(row_sets, union, num_rows, row_len, dtype)
-    if name == "agsparse":
-        return agsparse_traffic(row_sets, num_rows, row_len, dtype)
-    if name == "hc":
-        return hc_traffic(row_sets, num_rows, row_len, dtype)
-    if name == "dense":
-        return dense_traffic(len(row_sets), num_rows, row_len, dtype)
-    raise ValueError(f"scheme {name!r} has no traffic model; modelled: {', '.join(MODELLED)}")
+    return model_of(name)(Step(row_sets, num_rows, row_len, dtype, seed, auto_choice))
 
 
 def auto_choice(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dtype: torch.dtype) -> str:
@@ -203,4 +244,4 @@ def auto_choice(row_sets: Sequence[np.ndarray], num_rows: int, row_len: int, dty
     union = np.unique(np.concatenate(row_sets))
     item = torch.empty(0, dtype=dtype).element_size()
     profile = costmodel.Profile(n, num_rows, row_len * item, sum(len(r) for r in row_sets) / n, float(len(union)))
-    return costmodel.choose(profile)[0]
+    return choose_by_bytes(profile)

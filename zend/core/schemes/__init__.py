@@ -1,4 +1,13 @@
-"""Every synchronisation scheme, by name."""
+"""Every synchronisation scheme, by name: SCHEMES, the registry, is the only list of them.
+
+Everything else that goes through the schemes derives from it and from the traits each class
+carries (zend.core.schemes.base.Scheme): auto's candidates and its pick by bytes (auto.py), the
+byte models (`bytes_per_rank`), the simulator's default schemes and its traffic models. Adding a
+scheme: its module here (a class with its name, traits and byte model), its class in the tuple
+below, and its exact traffic model in zend/simulator/traffic_model.py; tests/core/test_registry.py
+and tests/test_simulate_cli.py name what is missing. The order below is the order of every derived
+list (auto breaks ties by it).
+"""
 
 from __future__ import annotations
 
@@ -12,13 +21,8 @@ from zend.core.schemes.dense import DenseScheme
 from zend.core.schemes.parallel import OmniReduceScheme, SparsePSScheme, ZenScheme
 
 SCHEMES: dict[str, type[Scheme]] = {
-    "zen": ZenScheme,
-    "hc": HCScheme,
-    "agsparse": AGSparseScheme,
-    "omnireduce": OmniReduceScheme,
-    "sparse_ps": SparsePSScheme,
-    "dense": DenseScheme,
-    "auto": AutoScheme,
+    cls.name: cls
+    for cls in (ZenScheme, HCScheme, AGSparseScheme, OmniReduceScheme, SparsePSScheme, DenseScheme, AutoScheme)
 }
 
 

@@ -7,8 +7,9 @@ times the candidates on the real tensor, links and hosts, and keeps the fastest:
 1. Profile: the first sync of a tensor, and every `reprofile_every`-th after it, runs zen,
    whose pull tells every rank the same cluster-wide figures (mean non-zero rows per rank,
    rows after summing).
-2. Prune: the byte model (zend.core.costmodel) drops every candidate that would move more
-   than `prune_ratio` x the fewest bytes: a scheme that far behind on the wire cannot win.
+2. Prune: the byte model (each candidate's `bytes_per_rank`, zend.core.costmodel) drops every
+   candidate that would move more than `prune_ratio` x the fewest bytes: a scheme that far
+   behind on the wire cannot win.
 3. Trial: the next syncs run each remaining candidate (`trials` times at the first profile,
    once at later ones), each rank timing its own syncs.
 4. Agree: after the last trial every rank sends its median time per candidate to every other
@@ -23,6 +24,10 @@ Every sync, trial or not, is an exact sum: trials cost time, never correctness. 
 `deterministic=True` auto skips the timing and picks by bytes (zen, hc or dense), so that two
 runs on the same inputs run the same schemes and give the same bits.
 One AutoScheme object per tensor.
+
+The candidates are the registered schemes (zend.core.schemes.SCHEMES) whose class sets
+`auto_candidate`, in the registry's order, which breaks ties: zen, hc, agsparse, sparse_ps,
+dense; those picked by bytes set `deterministic_candidate`.
 """
 
 from __future__ import annotations
@@ -36,12 +41,35 @@ import torch
 from zend.core import costmodel
 from zend.core.comm import Channel
 from zend.core.schemes.base import ResultPlace, Scheme, SyncResult, from_peer
-from zend.core.schemes.centralized import AGSparseScheme, HCScheme
-from zend.core.schemes.dense import DenseScheme
-from zend.core.schemes.parallel import SparsePSScheme, ZenScheme
 from zend.core.sparse import SparseGrad
 
-CANDIDATES = ("zen", "hc", "agsparse", "sparse_ps", "dense")
+PROFILER = "zen"  # its pull tells every rank the cluster-wide figures the others are judged by
+
+
+def candidates() -> tuple[str, ...]:
+    """auto's candidates, in the registry's order."""
+    return tuple(name for name, cls in _registry().items() if cls.auto_candidate)
+
+
+def choose_by_bytes(profile: costmodel.Profile) -> str:
+    """What auto picks under deterministic=True: the fewest bytes among the schemes that set
+    `deterministic_candidate` (ties go to the earlier in the registry)."""
+    volume = {name: candidate_bytes(cls, profile) for name, cls in _registry().items() if cls.deterministic_candidate}
+    return min(volume, key=lambda name: volume[name])
+
+
+def candidate_bytes(scheme: type[Scheme] | Scheme, profile: costmodel.Profile) -> float:
+    """A candidate's byte model (every candidate has one: tests/core/test_registry.py)."""
+    volume = scheme.bytes_per_rank(profile)
+    if volume is None:
+        raise ValueError(f"scheme {scheme.name!r} is one of auto's candidates but has no byte model")
+    return volume
+
+
+def _registry() -> dict[str, type[Scheme]]:
+    from zend.core.schemes import SCHEMES  # the registry imports this module: read it once both are loaded
+
+    return SCHEMES
 
 
 class AutoScheme(Scheme):
@@ -58,13 +86,13 @@ class AutoScheme(Scheme):
         self.reprofile_every = reprofile_every
         self.trials = trials
         self.prune_ratio = prune_ratio
-        self.schemes: dict[str, Scheme] = {
-            "zen": ZenScheme(seed, min_slice_width), "hc": HCScheme(), "agsparse": AGSparseScheme(),
-            "sparse_ps": SparsePSScheme(), "dense": DenseScheme(),
-        }
+        from zend.core.schemes import make_scheme  # the registry's module imports this one: at run time
+
+        self.schemes: dict[str, Scheme] = {name: make_scheme(name, seed=seed, min_slice_width=min_slice_width)
+                                           for name in candidates()}
         self.syncs = 0
         self.profiles = 0
-        self.choice = "zen"
+        self.choice = PROFILER
         self.plan: list[str] = []  # trials still to run in this profile, in order
         self.best: dict[str, tuple[float, ...]] = {}  # this rank's times per candidate in this profile
         self.agreed: dict[str, float] = {}  # the cluster's time per candidate (max over ranks), last profile
@@ -80,7 +108,7 @@ class AutoScheme(Scheme):
         profiling = self.syncs % self.reprofile_every == 0
         self.syncs += 1
         trial = profiling or bool(self.plan)
-        name = "zen" if profiling else self.plan.pop(0) if self.plan else self.choice
+        name = PROFILER if profiling else self.plan.pop(0) if self.plan else self.choice
         if profiling:
             self.plan, self.best = [], {}
         scheme = self.schemes[name]
@@ -101,27 +129,27 @@ class AutoScheme(Scheme):
         """After the profiling sync: prune by bytes, then queue the trials (or pick by bytes)."""
         self.profiles += 1
         if result.mean_input_rows is None or ch.world_size == 1:
-            self.choice, self.best = "zen", {}
+            self.choice, self.best = PROFILER, {}
             return
         profile = costmodel.Profile(
             world_size=ch.world_size, num_rows=grad.num_rows, row_bytes=grad.row_len * grad.values.element_size(),
             mean_rows=result.mean_input_rows, union_rows=float(result.grad.nnz),
         )
         if deterministic:  # reproducible: the same inputs choose the same scheme on every run
-            self.choice, _ = costmodel.choose(profile)
+            self.choice = choose_by_bytes(profile)
             self.best = {}
             return
-        volume = {name: costmodel.BYTES[name](profile) for name in CANDIDATES}
+        volume = {name: candidate_bytes(scheme, profile) for name, scheme in self.schemes.items()}
         fewest = min(volume.values())
-        candidates = [name for name in CANDIDATES if volume[name] <= self.prune_ratio * max(fewest, 1.0)]
+        contenders = [name for name in volume if volume[name] <= self.prune_ratio * max(fewest, 1.0)]
         if self.agreed and self.profiles > 1:  # later profiles: only the contenders of the last one
             best = min(self.agreed.values())
-            candidates = [c for c in candidates if c == "zen" or self.agreed.get(c, best) <= 2 * best]
+            contenders = [c for c in contenders if c == PROFILER or self.agreed.get(c, best) <= 2 * best]
         rounds = self.trials if self.profiles == 1 else 1
-        self.plan = [c for r in range(rounds) for c in candidates if not (r == 0 and c == "zen")]
-        self.best = {c: self.best.get(c, ()) for c in candidates}
-        if not self.plan:  # zen was the only candidate
-            self.choice, self.best = "zen", {}
+        self.plan = [c for r in range(rounds) for c in contenders if not (r == 0 and c == PROFILER)]
+        self.best = {c: self.best.get(c, ()) for c in contenders}
+        if not self.plan:  # the profiler was the only contender
+            self.choice, self.best = PROFILER, {}
 
     def _agree(self, ch: Channel) -> None:
         """Every rank's median time per candidate to every other; the max over ranks decides."""
@@ -149,6 +177,6 @@ class AutoScheme(Scheme):
     def _typical(self, name: str) -> float:
         """This rank's median time of a candidate in this profile (inf if it never ran)."""
         times = self.best[name]
-        if name == "zen" and self.profiles == 1 and len(times) > 1:
+        if name == PROFILER and self.profiles == 1 and len(times) > 1:
             times = times[1:]  # the tensor's first sync: cold
         return statistics.median(times) if times else float("inf")

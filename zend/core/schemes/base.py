@@ -1,4 +1,9 @@
-"""What a synchronisation scheme is: a gradient in, the cluster-wide sum out, and the cost."""
+"""What a synchronisation scheme is: a gradient in, the cluster-wide sum out, and the cost.
+
+A scheme's class also carries its traits (is it one of auto's candidates, one auto picks by bytes
+alone) and its byte model (`bytes_per_rank`): every list of schemes derives from these and from
+the registry, zend.core.schemes.SCHEMES.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from zend.core import kernels
 from zend.core.codec import Header, PeerMessageError, decode_units
 from zend.core.comm import Channel, Traffic
+from zend.core.costmodel import Profile
 from zend.core.sparse import ResultPlace, SparseGrad, first_nonfinite
 
 
@@ -47,6 +53,15 @@ class Scheme(ABC):
     """
 
     name: str
+    auto_candidate: ClassVar[bool] = False  # auto times it against the other candidates (auto.candidates)
+    deterministic_candidate: ClassVar[bool] = False  # under deterministic=True auto picks among these by bytes
+
+    @staticmethod
+    def bytes_per_rank(profile: Profile) -> float | None:
+        """Bytes through the busiest rank's link, each way, for a tensor of this sparsity profile
+        (zend.core.costmodel), or None where the scheme has no byte model. auto prunes its candidates
+        by it; the simulator's exact counts are another model (zend.simulator.traffic_model)."""
+        return None
 
     @abstractmethod
     def sync(self, ch: Channel, grad: SparseGrad, *, average: bool = False,
@@ -131,8 +146,8 @@ def check_finite(ch: Channel, values: torch.Tensor, keys: torch.Tensor | None = 
     parts (one sum, the exact scan only when the sum is not finite)."""
     if ch.nonfinite != "reject":
         return
-    if values.dtype == torch.float32 and values.device.type == "cpu" and values.is_contiguous() \
-            and kernels.available() and kernels.all_finite(values.reshape(-1).numpy()):
+    if values.dtype == torch.float32 and values.is_contiguous() and kernels.serves(values) \
+            and kernels.all_finite(values.reshape(-1).numpy()):
         return
     bad = first_nonfinite(values)  # the twin, and after the kernel saw one, the exact scan that names it
     if bad is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from zend.core import costmodel
 from zend.core.aggregate import sum_keyed
 from zend.core.codec import Encoding, decode_units, encode_units, read_header
 from zend.core.comm import Channel
@@ -46,6 +47,12 @@ class HCScheme(ExchangeScheme):
 
     name = "hc"
     encodings = (Encoding.COO, Encoding.BITMAP)
+    auto_candidate = True
+    deterministic_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_hierarchical(profile)
 
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
                  place: ResultPlace | None = None) -> SyncResult:
@@ -79,6 +86,11 @@ class AGSparseScheme(ExchangeScheme):
     """Ring allgather of every rank's COO gradient, then each rank sums all n in rank order."""
 
     name = "agsparse"
+    auto_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_allgather(profile)
 
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
                  place: ResultPlace | None = None) -> SyncResult:

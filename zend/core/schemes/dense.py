@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from zend.core import kernels
+from zend.core import costmodel, kernels
 from zend.core.codec import CodecError
 from zend.core.comm import Channel
 from zend.core.schemes import rowset
@@ -35,8 +35,8 @@ def _land(ch: Channel, src: int, got: torch.Tensor, piece: torch.Tensor, phase: 
         if got.dtype != torch.uint8 or got.dim() != 1 or got.numel() != expected:
             raise CodecError(f"step {step}: piece of {got.numel()} {got.dtype} elements, expected {expected} bytes")
         values = got.view(piece.dtype)
-        fused = (ch.nonfinite == "reject" and piece.dtype == torch.float32 and piece.device.type == "cpu"
-                 and values.device.type == "cpu" and piece.is_contiguous() and kernels.available())
+        fused = (ch.nonfinite == "reject" and piece.dtype == torch.float32 and piece.is_contiguous()
+                 and kernels.serves(piece, values))
         if fused and kernels.land_finite(piece.numpy(), values.numpy(), add):
             return
         check_finite(ch, values, what=f"step {step}, element")  # the torch twin; after the kernel, names the value
@@ -60,6 +60,12 @@ class DenseScheme(ExchangeScheme):
 
     name = "dense"
     coalesce_input = False  # densifying sums duplicates itself
+    auto_candidate = True
+    deterministic_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_dense(profile)
 
     def exchange(self, ch: Channel, grad: SparseGrad, *, average: bool, deterministic: bool,
                  place: ResultPlace | None = None) -> SyncResult:

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from zend.core import kernels
+from zend.core import costmodel, kernels
 from zend.core.aggregate import slot_keys, sum_into
 from zend.core.codec import (
     Encoding,
@@ -48,11 +48,11 @@ def zen_push_messages(parts: ZenPartitioner, grad: SparseGrad, allowed: tuple[En
     count the units per owner, then write each row's key and values straight into its owner's
     message (kernels.zen_scatter), with no grouping pass and no gather between. Partition `keep`
     (this rank's own) is made COO and not sent: its keys and values are read in place. Returns
-    (messages, partition `keep`, units per partition), or None where the kernel does not apply."""
-    n, width, domain = parts.num_parts, parts.unit_width, parts.domain_size(0)
-    if (parts.slices != 1 or n == 1 or grad.device.type != "cpu" or not kernels.available()
-            or parts.num_rows >= kernels.FAST_DIVISION_LIMIT or domain >= 2**31):
+    (messages, partition `keep`, units per partition), or None where the kernel does not apply
+    (`_push_compiles`): the caller then splits and encodes each part, the torch twin."""
+    if not _push_compiles(parts, grad):
         return None
+    n, width, domain = parts.num_parts, parts.unit_width, parts.domain_size(0)
     rows = grad.indices.to(torch.int64).contiguous().numpy()
     counts = kernels.zen_counts(rows, n, parts.hash.multiplier, parts.hash.salt).tolist()
     kinds = [Encoding.COO if j == keep else cheapest(c, width, domain, grad.dtype, allowed)
@@ -70,6 +70,12 @@ def zen_push_messages(parts: ZenPartitioner, grad: SparseGrad, allowed: tuple[En
                         buffer.numpy())
     own = messages[keep]
     return [m.buf for m in messages], Part(own.index, own.values), counts
+
+
+def _push_compiles(parts: ZenPartitioner, grad: SparseGrad) -> bool:
+    """Whole-row units (S = 1) of a CPU gradient, n >= 2, rows and keys within the kernels' ranges."""
+    return (parts.slices == 1 and parts.num_parts > 1 and kernels.serves(grad.values)
+            and parts.num_rows < kernels.FAST_DIVISION_LIMIT and parts.domain_size(0) < 2**31)
 
 
 class ParallelScheme(ExchangeScheme):
@@ -195,6 +201,12 @@ class ZenScheme(ParallelScheme):
     """ZEN's Balanced Parallelism (hash partition, incremental aggregation at the owner)."""
 
     name = "zen"
+    auto_candidate = True
+    deterministic_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_balanced_parallel(profile)
 
     def __init__(self, seed: int = 0, min_slice_width: int = 8):
         self.seed = seed
@@ -213,6 +225,11 @@ class SparsePSScheme(ParallelScheme):
 
     name = "sparse_ps"
     encodings = COO_ONLY
+    auto_candidate = True
+
+    @staticmethod
+    def bytes_per_rank(profile: costmodel.Profile) -> float:
+        return costmodel.bytes_range_parallel(profile)
 
     def partitioner(self, grad: SparseGrad, world_size: int) -> RowRangePartitioner:
         return RowRangePartitioner(grad.num_rows, grad.row_len, world_size)
@@ -226,7 +243,7 @@ class OmniReduceScheme(ParallelScheme):
     carries every row it overlaps, sent or not, so the result is cut to the rows some rank sent
     (`rowset`: their bitmaps OR-reduced around a ring)."""
 
-    name = "omnireduce"
+    name = "omnireduce"  # no byte model (bytes_per_rank), so not one of auto's candidates
     encodings = COO_ONLY
 
     def __init__(self, block: int = 256):
