@@ -110,9 +110,14 @@ def step_surviving_faults(run: Callable[[], torch.Tensor], client: Any, hook: An
 
 def fault_point(args: argparse.Namespace, rank: int, step: int) -> None:
     """--restart-daemon-at: rank 0 asks the launcher to restart a daemon as this step starts, and
-    goes on once it is dead (so the fault falls inside the step on every rank)."""
+    goes on once it is dead (so the fault falls inside the step on every rank). Every rank first
+    meets at a barrier: a rank still taking the last step's result from its daemon would lose it
+    with the daemon (zen.OutOfOrder, a restart from a checkpoint: not the fault this drill is for)."""
     folder = os.environ.get("ZEN_EXAMPLE_FAULT_DIR")
-    if folder is None or args.restart_daemon_at != step or rank != 0:
+    if folder is None or args.restart_daemon_at != step:
+        return
+    dist.barrier()
+    if rank != 0:
         return
     open(os.path.join(folder, "request"), "w").close()
     deadline = time.monotonic() + 60
