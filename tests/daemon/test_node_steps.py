@@ -22,6 +22,7 @@ from zend.daemon.metrics import DaemonMetrics
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.layout import TensorSpec
+from zend.protocol.step import BufferRef, StepRequest
 from zend.transport.inproc import InProcessCluster
 
 SECRET = b"in-process-node-step-secret"
@@ -65,9 +66,9 @@ class Node:
         source = self.buffers[(sid, f"in{step}")] = MemoryBuffer(f"in{step}", max(64, spec.nbytes(grad.nnz)))
         result = self.buffers[(sid, "out")] = MemoryBuffer("out", spec.max_bytes)
         spec.write(grad, source.view, 0)
-        outcome = self.trainer_steps.submit(session, state.tensor_id, step, (source.buffer_id, 0), grad.nnz,
-                                        ("out", 0), wait_s=30.0)
-        return spec.read(result.view, 0, outcome.grad.nnz, check=False)
+        outcome = self.trainer_steps.step(session, StepRequest(state.tensor_id, step, BufferRef(source.buffer_id),
+                                                               grad.nnz, BufferRef("out"), timeout_s=30.0))
+        return spec.read(result.view, 0, outcome.nnz, check=False)
 
 
 def run_job(nodes: int, trainers: int, scheme: str, body: Callable[[Node, Session, int], Any]) -> list[list[Any]]:
@@ -263,8 +264,8 @@ def _submit_into(node: Node, session: Session, spec: TensorSpec, grad: SparseGra
                                                                          max(64, spec.nbytes(grad.nnz)))
     node.buffers[(sid, result.buffer_id)] = result
     spec.write(grad, source.view, 0)
-    return node.trainer_steps.submit(session, state.tensor_id, step, (source.buffer_id, 0), grad.nnz,
-                                     (result.buffer_id, 64), wait_s=30.0)
+    return node.trainer_steps.step_outcome(session, StepRequest(state.tensor_id, step, BufferRef(source.buffer_id),
+                                                                grad.nnz, BufferRef(result.buffer_id, 64), 30.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -156,12 +156,16 @@ class TrainerSteps:
     def step(self, session: Session, request: StepRequest) -> StepResult:
         """Sum this trainer's part with every other trainer's; the result once it is in the trainer's result
         buffer. Waits on the calling thread (a buffers.sock connection's own). StepError otherwise."""
+        return self._result(request.step, self.step_outcome(session, request))
+
+    def step_outcome(self, session: Session, request: StepRequest) -> StepOutcome:
+        """`step`, reported as the daemon sees it: the sum's tensors (where they lie) beside the figures."""
         ticket = self.admit(session, request)
         try:
             self.run(ticket)
             self._wait(ticket.step, ticket.state.spec, self._answer_within(request))
             self._done_waiting(ticket)
-            return self._result(ticket, self.deliver(ticket))
+            return self.deliver(ticket)
         finally:
             self.release(ticket)
 
@@ -180,7 +184,7 @@ class TrainerSteps:
         try:
             self.run_elsewhere(ticket)
             await self.wait_async(ticket, self._answer_within(request))
-            return self._result(ticket, await loop.run_in_executor(None, self.deliver, ticket))
+            return self._result(request.step, await loop.run_in_executor(None, self.deliver, ticket))
         finally:
             self.release(ticket)
 
@@ -189,8 +193,8 @@ class TrainerSteps:
         return max(0.0, request.timeout_s - 0.05)  # answer before the trainer's deadline
 
     @staticmethod
-    def _result(ticket: Admitted, out: StepOutcome) -> StepResult:
-        return StepResult(ticket.step.key.step, out.grad.nnz, out.scheme, out.bytes_sent, out.bytes_received,
+    def _result(step: int, out: StepOutcome) -> StepResult:
+        return StepResult(step, out.grad.nnz, out.scheme, out.bytes_sent, out.bytes_received,
                           out.dense_bytes, dict(out.phases), out.generation, out.nodes)
 
     def _abandon(self, ticket: Admitted) -> None:
