@@ -80,7 +80,7 @@ class LinkTransport(Communicator):
         self.mailboxes = Mailboxes(self._cond, max_buffered_bytes)
         self.links = PeerLinks(rank, world_size, self.identity, secret, timeout_s, self._cond, self, self, self._spawn)
         self.liveness = Liveness(rank, self.links.peers, self._cond, self._closing, timeout_s, self._heartbeat,
-                                 self._fail)
+                                 self.links.fail)
         # the owner's judgement of a data or abort frame from a peer, by its (source, kind, tag, size),
         # before it is kept: None takes it, ("discard", why) reads and drops it, ("refuse", why) drops the link
         self.admission: Callable[[int, int, str, int], tuple[str, str] | None] | None = None
@@ -164,18 +164,6 @@ class LinkTransport(Communicator):
         """Block until rank j is (re)connected, e.g. after it restarted."""
         self.links.wait_connected(j, self.timeout_s if timeout_s is None else timeout_s)
 
-    def _accept(self, link: Any, origin: str) -> None:
-        self.links.accept(link, origin)
-
-    def _accept_failed(self, exc: BaseException) -> None:
-        self.links.accept_failed(exc)
-
-    def _accept_recovered(self) -> None:
-        self.links.accept_recovered()
-
-    def _fail(self, j: int, link: Any, reason: str) -> None:
-        self.links.fail(j, link, reason)
-
     def link_up(self, j: int, link: Any, cipher: LinkCipher | None, first: bool) -> Exception | None:
         """(PeerLinks, under the peer's send lock) A new link's frames, then the aborts it may have missed,
         told again under the handshake's timeout (a peer that stalls here cannot hold us); liveness starts
@@ -203,9 +191,9 @@ class LinkTransport(Communicator):
         try:
             self._receive_frames(j, link, frames)
         except FrameError as exc:
-            self._fail(j, link, str(exc))
+            self.links.fail(j, link, str(exc))
         except Exception as exc:  # any I/O failure ends this link, with the peer named
-            self._fail(j, link, f"disconnected: {exc or type(exc).__name__}")
+            self.links.fail(j, link, f"disconnected: {exc or type(exc).__name__}")
         finally:
             self.links.link_done(link)
 
@@ -278,7 +266,8 @@ class LinkTransport(Communicator):
         so does a discarded message over MAX_DISCARDED_BYTES (nobody needs it, nobody holds room for it)."""
         if kind == DATA and size > self.max_message_bytes:
             raise FrameError(f"announced a message of {size} bytes, over the {self.max_message_bytes}-byte limit")
-        if kind not in (DATA, ABORT) or self.admission is None or (kind == DATA and self._voided(tag) is not None):
+        voided = kind == DATA and self.mailboxes.voided(tag) is not None
+        if kind not in (DATA, ABORT) or self.admission is None or voided:
             return True
         verdict = self.admission(j, kind, tag, size)
         if verdict is None:
@@ -323,7 +312,7 @@ class LinkTransport(Communicator):
 
     # ------------------------------------------------------------------ the Communicator
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
-        hit = self._voided(tag)
+        hit = self.mailboxes.voided(tag)
         if hit is not None:
             raise CommAborted(hit[1], hit[0])
         peer = self.links.live_link(dst)
@@ -336,7 +325,7 @@ class LinkTransport(Communicator):
                 self._send_frame(link, frames, frames.head(DATA, tag, data.numel()), data)
                 peer.last_sent = time.monotonic()
             except (OSError, ConnectionError, TimeoutError) as exc:
-                self._fail(dst, link, f"failed while sending: {exc}")
+                self.links.fail(dst, link, f"failed while sending: {exc}")
                 raise CommError(f"rank {self.rank}: send to {peer.error}") from None
 
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
@@ -368,10 +357,7 @@ class LinkTransport(Communicator):
                     self._send_frame(link, frames, frames.head(ABORT, prefix, body.numel()), body)
                 self.peers[j].last_sent = time.monotonic()
             except Exception as exc:  # going down, or a frame half-sent: the link is done for
-                self._fail(j, link, f"failed while sending an abort: {exc}")
-
-    def _voided(self, tag: str) -> tuple[str, str] | None:
-        return self.mailboxes.voided(tag)
+                self.links.fail(j, link, f"failed while sending an abort: {exc}")
 
     def mailbox_bytes(self) -> int:
         """Bytes received and not yet taken, over every peer (a failed step must leave none)."""

@@ -119,13 +119,13 @@ class TcpTransport(LinkTransport):
             except OSError as exc:
                 if self._closed:
                     return
-                self._accept_failed(exc)
+                self.links.accept_failed(exc)
                 time.sleep(0.2)  # EMFILE and the like: the backlog waits, the loop lives
                 continue
             except Exception as exc:  # never dies, whatever happens
-                self._accept_failed(exc)
+                self.links.accept_failed(exc)
                 continue
-            self._accept_recovered()
+            self.links.accept_recovered()
             source, origin = addr[0], f"{addr[0]}:{addr[1]}"
             refusal = gate.enter(source)
             if refusal is not None:
@@ -142,7 +142,7 @@ class TcpTransport(LinkTransport):
 
     def _handshake_then_leave(self, sock: socket.socket, origin: str, gate: HandshakeGate, source: str) -> None:
         try:
-            self._accept(sock, origin)
+            self.links.accept(sock, origin)
         finally:
             gate.leave(source)
 

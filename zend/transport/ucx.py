@@ -163,7 +163,7 @@ class UcxTransport(LinkTransport):
 
     def _accept_then_leave(self, endpoint: Any, gate: HandshakeGate) -> None:
         try:
-            self._accept(endpoint, "a UCX client")
+            self.links.accept(endpoint, "a UCX client")
         finally:
             gate.leave("ucx")
 
