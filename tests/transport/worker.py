@@ -97,7 +97,7 @@ class Worker:
         return {}
 
     def buffered(self, src: int) -> dict:
-        return {"bytes": self.t.peers[src].buffered}
+        return {"bytes": self.t.mailboxes.buffered(src)}
 
     def links(self) -> dict:
         return {"up": {str(j): p.link is not None for j, p in self.t.peers.items()},

@@ -29,10 +29,23 @@ from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission, socket_steps
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
+from zend.daemon.generations import Generations
 from zend.daemon.grpc_server import NETWORK_LISTENER_OPTIONS, GrpcServers, Registration
 from zend.daemon.jobs import JobRegistry, Session, operator_token
-from zend.daemon.membership import Membership, MembershipError, rendezvous, static_membership
+from zend.daemon.membership import Membership, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
+from zend.daemon.node_state import (
+    NodeStateHolder,
+    TransitionRefused,
+    accept_failed,
+    accept_recovered,
+    changed,
+    changing,
+    drain,
+    joined,
+    stopping,
+    undrain,
+)
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
 from zend.daemon.secret import load_secret
@@ -68,22 +81,18 @@ class Daemon:
                                     hello_timeout_s=s.buffer_hello_timeout_s,
                                     max_connections=s.max_buffer_connections,
                                     max_connections_per_pid=s.max_buffer_connections_per_pid)
+        self.node_state = NodeStateHolder(self._set_serving)  # the one home of joining/serving/changing/draining
         self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s,
-                                          s.max_submits_in_flight_per_job)
+                                          s.max_submits_in_flight_per_job, lambda: self.node_state.state)
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
         self.grpc: GrpcServers | None = None  # the unix socket (every service) and --grpc-listen (TCP)
-        self._health_lock = threading.Lock()  # a health change and the state it is read from, as one
-        self._final_drain = False  # the drain before stopping: no Undrain after it
-        self._accept_error: str | None = None  # the data plane's listener is failing (health NOT_SERVING)
         self.health = health_aio.HealthServicer()  # answered on the gRPC event loop, never behind busy handlers
         self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
                                      "not started")  # start() finds the real one
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
         self.last_change = ("", 0.0)  # (what made the current generation, unix time)
-        self._down_since: dict[int, float] = {}  # member -> when its link went down (scale-in)
-        self._reached_at: dict[int, float] = {}  # --rank -> when this node last had a link up to it
         self.job_steps: dict[str, int] = {}  # job -> its step when this generation formed (--elastic)
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
@@ -109,10 +118,9 @@ class Daemon:
         m = self.membership
         self._spawn(self._housekeeping, "housekeeping")
         if self.elastic is not None:
-            self._spawn(self._watch_membership, "membership")
-        with self._health_lock:
-            if not self.trainer_steps.draining and self._accept_error is None:  # drained while it was joining?
-                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            keeper = Generations(self.elastic, self, lambda: self.job_steps, self._stopped)
+            self._spawn(keeper.watch, "membership")
+        self.node_state.apply(joined)  # SERVING, unless drained while it was joining
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
                                         "transport": self.transport_name, "generation": m.generation,
                                         "socket": s.grpc_socket})
@@ -136,7 +144,7 @@ class Daemon:
             os.unlink(s.grpc_socket)  # the buffer server already proved no live daemon owns this folder
         self.grpc = GrpcServers(s.grpc_workers, [("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
                                                  ("grpc.max_send_message_length", 16 * MAX_CONTROL_MESSAGE)])
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.node_state.sync_health()  # NOT_SERVING: still joining
         old_umask = os.umask(0o117)  # the socket is created 0660: not world-writable
         try:
             self._grpc_server(f"unix:{s.grpc_socket}", operator, trainer)
@@ -162,6 +170,11 @@ class Daemon:
         self.grpc.serve(address, services, (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name
                                               for n in served),
                                             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), options)
+
+    def _set_serving(self, serving: bool) -> None:
+        """What the node state tells health (under its lock): SERVING or NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse
+        self._set_health(status.SERVING if serving else status.NOT_SERVING)
 
     def _set_health(self, status: Any) -> None:
         """Every service's health, set on the servers' loop (the servicer's own); nothing once they stopped."""
@@ -251,137 +264,43 @@ class Daemon:
 
     def _follow_accept(self) -> None:
         """NOT_SERVING while the data plane cannot accept connections (a peer that restarts could not get
-        back in), SERVING again when it can and nothing else holds health down."""
+        back in), SERVING again when it can and nothing else holds it down (node_state.py)."""
         transport = self.transport
         error = transport.accept_error if transport is not None else None
-        with self._health_lock:
-            if error == self._accept_error:
-                return
-            self._accept_error = error
-            if error is not None:
-                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-            elif not self.trainer_steps.draining and self.trainer_steps.not_running() is None:
-                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if error != self.node_state.state.accept_error:
+            self.node_state.apply(accept_recovered if error is None else accept_failed(error))
 
     # ------------------------------------------------------------------ a membership that changes
-    def _watch_membership(self) -> None:
-        """(--elastic) A daemon waiting to join (a restarted one) makes every member move to the next
-        round, so all of them, the newcomer included, form the next generation."""
-        assert self.elastic is not None
-        complained = 0.0
-        while not self._stopped.wait(0.5):
-            self._note_reached()
-            try:
-                waiting = self.elastic.waiting()
-                intact = self.elastic.round_intact()
-            except MembershipError as exc:  # the store is gone: keep serving this generation, say so
-                if time.monotonic() - complained > 30:
-                    log.warning("membership store unreachable", extra={"event": "membership_store", "error": str(exc)})
-                    complained = time.monotonic()
-                continue
-            if self._stopped.is_set():
-                return
-            if waiting:
-                self._regenerate(f"{waiting} node(s) waiting to join generation {self.membership.generation}")
-                continue
-            if not intact:  # deleted, overwritten or reset: the members form the next round together
-                self._regenerate(f"the rendezvous state no longer holds generation {self.membership.generation}'s "
-                                 "round (the store lost or refused it)")
-                continue
-            # A node that stood still (SIGSTOP) long enough for the rendezvous to drop it from the round
-            # goes on in its generation once its links are back (0.3-0.4 s, benchmarks/fault_recovery.py):
-            # joining again would cost every node a new generation (2.5-4 s) and buy nothing; it joins
-            # the next round like everyone else when a node waits.
-            lost = self._lost_for_good()
-            if lost:
-                self._regenerate(f"{lost}; going on without it (--min-nodes {self.elastic.min_nodes})")
+    # The moves of a generation change (generations.py decides when, and carries it out through these).
+    def links_up(self) -> dict[int, bool]:
+        """--rank -> whether this node's link to that member is up, for every other member."""
+        transport, m = self.transport, self.membership
+        members = m.members or tuple(range(m.world_size))
+        return {members[p.rank]: p.connected for p in (transport.peer_states() if transport is not None else [])
+                if p.rank < len(members)}
 
-    def _lost_for_good(self) -> str | None:
-        """(scale-in) A member whose link has been down for as long as the rendezvous takes to declare it
-        dead: the survivors form a smaller generation, if --min-nodes allows."""
-        assert self.elastic is not None
-        transport, now = self.transport, time.monotonic()
-        if transport is None or self.elastic.min_nodes >= self.elastic.world_size:
-            return None
-        down = {p.rank for p in transport.peer_states() if not p.connected}
-        for j in list(self._down_since):
-            if j not in down:
-                del self._down_since[j]
-        for j in down:
-            self._down_since.setdefault(j, now)
-        gone = sorted(j for j, since in self._down_since.items() if now - since >= self.elastic.dead_after_s)
-        if not gone or self.membership.world_size - len(gone) < self.elastic.min_nodes:
-            return None
-        members = self.membership.members or tuple(range(self.membership.world_size))
-        return "node(s) " + ", ".join(f"--rank {members[j]}" for j in gone) + \
-            f" lost for {self.elastic.dead_after_s:g} s"
-
-    def _note_reached(self) -> None:
-        """When this node last had a link up to each member (by --rank): what a smaller generation is
-        checked against."""
-        transport, now = self.transport, time.monotonic()
-        members = self.membership.members or tuple(range(self.membership.world_size))
-        for p in transport.peer_states() if transport is not None else []:
-            if p.connected and p.rank < len(members):
-                self._reached_at[members[p.rank]] = now
-
-    def _leaves_out_a_live_node(self, old: Membership, new: Membership) -> str | None:
-        """Why `new` may not stand: it leaves out a member of `old` that this node reached over the sealed
-        data plane less than the rendezvous' dead time ago (the store alone never excludes a node its
-        peers reach); None if every node left out has been out of reach that long."""
-        assert self.elastic is not None
-        before = set(old.members or range(old.world_size))
-        now, dead_after = time.monotonic(), self.elastic.dead_after_s
-        reached = sorted(r for r in before - set(new.members)
-                         if now - self._reached_at.get(r, float("-inf")) < dead_after)
-        if not reached:
-            return None
-        return (f"generation {new.generation} leaves out --rank {', '.join(map(str, reached))}, which this node "
-                f"reached less than {dead_after:g} s ago: waiting for it to join")
-
-    def _regenerate(self, why: str) -> None:
-        """Leave this generation and form the next: steps of this one abort everywhere (their links
-        close), every tensor is agreed on again, and the new links carry the new generation."""
-        assert self.elastic is not None
-        s, old = self.settings, self.membership
-        self._note_reached()
-        log.warning("membership changing", extra={"event": "membership_change", "generation": old.generation,
-                                                   "reason": why})
-        with self._health_lock:
-            if not self.trainer_steps.draining:
-                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-            self.trainer_steps.refuse(f"membership changing after generation {old.generation}: {why}")
-        self._drop_transport()  # steps in flight fail now (ABORTED) instead of waiting on a dead peer
-        self.trainer_steps.end_generation(s.step_timeout_s)
+    def leave(self, reason: str) -> None:
+        """Refuse new steps, abort this generation's (their links close at once rather than wait on a dead
+        peer), remember where each job is, and forget what a new generation must agree on again."""
+        self.node_state.apply(changing(reason))
+        self.trainer_steps.close_node()
+        self._drop_transport()
+        self.trainer_steps.end_generation(reason, self.settings.step_timeout_s)
         self.job_steps.update(self.registry.job_steps())  # what this node knew, for a node that knows nothing
         self.registry.new_generation(self.new_scheme)
-        while not self._stopped.is_set():
-            try:
-                joined = self.elastic.join(self.job_steps)
-                refused = self._leaves_out_a_live_node(old, joined)
-                if refused is not None:
-                    raise MembershipError(refused)
-                self.membership = joined
-                if self._stopped.is_set():
-                    return
-                self._start_data_plane()
-                break
-            except Exception as exc:  # no complete round yet, a member lost while connecting: try again
-                log.warning("membership not formed, retrying", extra={"event": "membership_retry", "error": str(exc)})
-                self._drop_transport()
-                self._stopped.wait(1.0)  # a retry that fails at once must not spin
-        if self._stopped.is_set():  # stop() came while joining: it could not close what came after it
-            self._drop_transport()
-            return
+
+    def connect(self, membership: Membership) -> None:
+        self.membership = membership
+        self._start_data_plane()
+
+    def drop_links(self) -> None:
+        self._drop_transport()
+
+    def resume(self, membership: Membership, why: str) -> None:
         self.last_change = (why, time.time())
-        self.job_steps.update(self.membership.job_steps)
-        self._down_since.clear()
-        with self._health_lock:
-            self._open_steps()
-            if not self.trainer_steps.draining and self._accept_error is None:
-                self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.warning("membership changed", extra={"event": "membership_changed", "generation":
-                                                 self.membership.generation, "nodes": self.membership.world_size})
+        self.job_steps.update(membership.job_steps)
+        self._open_steps()
+        self.node_state.apply(changed)
 
     def _drop_transport(self) -> None:
         transport, self.transport = self.transport, None
@@ -389,11 +308,10 @@ class Daemon:
             transport.close()
 
     def not_whole(self) -> str | None:
-        """Why this node cannot run steps now (a change under way, a peer lost), or None."""
-        if self.trainer_steps.changing is not None:
-            return self.trainer_steps.changing
-        if self.trainer_steps.draining:
-            return "the daemon is draining"
+        """Why this node cannot run steps now (the node state's reason, or a peer lost), or None (Ready)."""
+        why = self.node_state.state.why_not_serving()
+        if why is not None:
+            return why
         transport = self.transport
         if self.membership.world_size > 1 and transport is None:
             return "the daemon is still joining its cluster"
@@ -427,7 +345,7 @@ class Daemon:
                                      t.spec.layout, t.stats.scheme or self.settings.scheme, replace(t.stats))
                         for t in self.registry.tensor_list())
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
-                          tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.trainer_steps.draining,
+                          tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.node_state.state.drained,
                           daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change)
 
     # ------------------------------------------------------------------ sessions
@@ -458,10 +376,7 @@ class Daemon:
     def drain(self, timeout_s: float, final: bool = False) -> tuple[int, int]:
         """Refuse new steps and sessions; wait for the steps in flight. Returns (completed, abandoned).
         `final`: the drain before stopping (SIGTERM), which Undrain cannot undo."""
-        with self._health_lock:
-            self._final_drain = self._final_drain or final
-            self.trainer_steps.draining = True  # before health says so: nothing new slips in between
-            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.node_state.apply(drain(final))  # refused before health says so: nothing new slips in between
         completed, abandoned = self.trainer_steps.wait_in_flight(timeout_s)
         log.info("drained", extra={"event": "drain", "completed": completed, "abandoned": abandoned})
         return completed, abandoned
@@ -469,13 +384,11 @@ class Daemon:
     def undrain(self) -> tuple[bool, str]:
         """Undo a drain: admit steps and sessions again, and SERVING again unless the node is still joining
         or its membership is changing (it turns SERVING when that is over). Returns (serving, why not)."""
-        with self._health_lock:
-            if self._final_drain or self._stopped.is_set():
-                raise StepError(FAILED_PRECONDITION, "the daemon is stopping (SIGTERM): it cannot be undrained")
-            self.trainer_steps.draining = False
-            why = self.trainer_steps.not_running() or self._accept_error
-            if why is None:
-                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        try:
+            state = self.node_state.apply(undrain)
+        except TransitionRefused as exc:
+            raise StepError(FAILED_PRECONDITION, str(exc)) from None
+        why = state.why_not_serving()
         log.info("undrained", extra={"event": "undrain", "serving": why is None, "reason": why or ""})
         return why is None, why or ""
 
@@ -483,6 +396,7 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.node_state.apply(stopping)
         if self.grpc is not None:
             self.grpc.stop(grace_s=1.0)
         self.buffers.close()

@@ -34,12 +34,14 @@ from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import JobRegistry, Session, TensorState
 from zend.daemon.metrics import DaemonMetrics
+from zend.daemon.node_state import NodeState, Phase
 from zend.daemon.node_steps import NodeSteps, StepOutcome
 from zend.daemon.steps import Step, StepKey, StepTable
 from zend.protocol.layout import TensorSpec
 from zend.protocol.step import BufferRef, StepRequest, StepResult
 
 log = logging.getLogger("zend.node")
+SERVING = NodeState(Phase.SERVING, "")  # a TrainerSteps on its own (tests): always admitting
 
 
 class Buffer(Protocol):
@@ -94,40 +96,38 @@ def _resolve(done: asyncio.Future[None]) -> None:
 
 
 class TrainerSteps:
-    """The node's steps as its trainers see them. Refuses steps until `open` gives it the node's
-    step runner (the daemon is still joining its cluster) and after `draining` is set."""
+    """The node's steps as its trainers see them. Admits steps as the node's state says (`state`,
+    node_state.py: joining, draining, a generation changing refuse them) and while `open` has given it the
+    node's step runner."""
 
     def __init__(self, registry: JobRegistry, buffers: BufferLookup, metrics: DaemonMetrics, step_timeout_s: float,
-                 max_submits_in_flight_per_job: int = 1024):
+                 max_submits_in_flight_per_job: int = 1024, state: Callable[[], NodeState] = lambda: SERVING):
         self.registry, self.buffers, self.metrics = registry, buffers, metrics
         self.step_timeout_s = step_timeout_s
         self.max_submits_in_flight_per_job = max_submits_in_flight_per_job
         self._in_flight_by_job: dict[str, int] = {}  # job -> its submissions admitted and not yet released
         self.table = StepTable()
-        self.draining = False
+        self.state = state
         self._node: NodeSteps | None = None
         self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
         self._gone: dict[tuple[str, int], str] = {}  # (job, local rank) -> why its trainer left, until replaced
-        self.changing: str | None = None  # why the membership is changing (steps refused until `open`)
         self._lock = threading.Lock()
         self._stamps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # buffer -> last offer
         self._offers = itertools.count()
 
     def open(self, node: NodeSteps) -> None:
-        """Start admitting steps, run by `node`."""
+        """Run steps on `node` (the node's data plane of this generation)."""
         with self._lock:
-            self._node, self.changing = node, None
+            self._node = node
 
-    def refuse(self, reason: str) -> None:
-        """The node's membership changes: new steps are refused (ABORTED, naming `reason`) until `open`."""
+    def close_node(self) -> None:
+        """No step runner until the next `open` (a generation ends)."""
         with self._lock:
-            self._node, self.changing = None, reason
+            self._node = None
 
-    def end_generation(self, timeout_s: float) -> None:
-        """After `refuse`: fail the steps not started, wait up to timeout_s for those running (their
-        transport is closed), and start the step table afresh."""
-        reason = self.changing
-
+    def end_generation(self, reason: str, timeout_s: float) -> None:
+        """After `close_node`: fail the steps not started (ABORTED, naming `reason`), wait up to timeout_s for
+        those running (their transport is closed), and start the step table afresh."""
         def error_for(step: Step) -> StepError:
             return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "
                                             f"{reason}")
@@ -140,25 +140,14 @@ class TrainerSteps:
         self.table.new_generation()
 
     def check_accepting(self, what: str) -> None:
-        """UNAVAILABLE while the daemon is joining its cluster or draining; ABORTED while its membership
-        changes (the trainer waits for Ready and submits the step again)."""
-        if self.draining:
-            raise StepError(codes.UNAVAILABLE, f"the daemon is draining: no new {what}")
-        changing = self.changing
-        if changing is not None and what == "steps":
-            raise StepError(codes.ABORTED, f"no new steps while the membership changes ({changing}): wait until "
-                                           "the daemon is ready (zen.Client.wait_ready) and submit the step again")
-        if self._node is None:
-            raise StepError(codes.UNAVAILABLE, f"the daemon is still joining its cluster: no {what} yet")
-
-    def not_running(self) -> str | None:
-        """Why steps are refused apart from a drain (still joining, membership changing), or None."""
-        changing = self.changing
-        if changing is not None:
-            return f"the membership is changing ({changing})"
-        if self._node is None:
-            return "the daemon is still joining its cluster"
-        return None
+        """The node state's refusal of a new request for `what` ("steps", "sessions"), if any: UNAVAILABLE
+        while joining or draining, ABORTED for steps while the membership changes (the trainer waits for
+        Ready and submits the step again)."""
+        refusal = self.state().refusal(what)
+        if refusal is not None:
+            raise refusal
+        if what == "steps" and self._node is None:  # between a generation's end and the next one's start
+            raise StepError(codes.UNAVAILABLE, "the daemon is between generations: no steps yet")
 
     def in_flight(self) -> int:
         return self.table.in_flight()
@@ -508,7 +497,7 @@ class TrainerSteps:
             self._abort_everywhere(step, step.error)
 
     def wait_in_flight(self, timeout_s: float) -> tuple[int, int]:
-        """Wait for the steps in flight (a drain: `draining` is set). Returns (completed, abandoned)."""
+        """Wait for the steps in flight (a drain: the node state refuses new ones). Returns (completed, abandoned)."""
         pending = self.table.open_steps()
         deadline = time.monotonic() + timeout_s
         for step in pending:

@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from zend.transport.frames import DATA, FRAME, unpack_frame
+from zend.transport.framing import Frames
 from zend.transport.handshake import MAX_HANDSHAKE_BYTES
-from zend.transport.link_transport import MAX_DISCARDED_BYTES, HandshakeGate, LinkTransport
-from zend.transport.sealing import CHUNK, GCM_TAG, LinkCipher
+from zend.transport.link_transport import LinkTransport
+from zend.transport.peer_links import HandshakeGate
+from zend.transport.sealing import CHUNK
 
 SOCKET_BUFFER_BYTES = 8 << 20
-SMALL_FRAME_BYTES = 64 << 10  # a sealed payload up to this comes with its tag in one read
+SMALL_FRAME_BYTES = 64 << 10  # a payload up to this comes with its tag in one read
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 _LENGTH = struct.Struct("<I")
 log = logging.getLogger("zend.transport")
 
@@ -65,21 +68,20 @@ def _recv_exactly_into(sock: socket.socket, views: list[memoryview], progress: C
         progress()
 
 
-def _recv_sealed_into(sock: socket.socket, cipher: LinkCipher, record: bytearray, out: memoryview | None,
-                      progress: Callable[[], None], size: int = 0) -> None:
-    """A sealed payload record by record, each opened into its place in `out` as it lands (`out` None:
-    `size` bytes opened into a sink and dropped); a small payload's one record is already in `record`
-    (it came with the tag)."""
-    total = len(out) if out is not None else size
-    sink = memoryview(bytearray(min(total, CHUNK))) if out is None else None
-    for start in range(0, total, CHUNK):
-        n = min(CHUNK, total - start)
-        piece = out[start : start + n] if out is not None else sink[:n]  # type: ignore[index]
-        sealed = memoryview(record)[: n + GCM_TAG]
-        if start or total > SMALL_FRAME_BYTES:  # (a small one's only record came with its tag)
-            _recv_exactly_into(sock, [sealed], progress)
-        cipher.open_record(sealed, piece)
-
+def _land(sock: socket.socket, frames: Frames, out: memoryview | None, size: int, record: memoryview,
+          progress: Callable[[], None]) -> None:
+    """A payload after its tag: in clear, straight into `out` (one call however big); sealed, record by
+    record, each opened into its place as it lands. `out` None: read (sealed: opened, as its records are
+    numbered) only to be dropped."""
+    if out is not None and frames.lands_in_place:
+        _recv_exactly_into(sock, [out], progress)
+        return
+    sink = None if out is not None else memoryview(bytearray(min(size, CHUNK)))
+    for start in range(0, size, CHUNK):
+        n = min(CHUNK, size - start)
+        wire = record[: n + frames.tag_overhead]
+        _recv_exactly_into(sock, [wire], progress)
+        frames.open_piece(wire, out[start : start + n] if out is not None else sink[:n])  # type: ignore[index]
 
 
 def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
@@ -117,13 +119,13 @@ class TcpTransport(LinkTransport):
             except OSError as exc:
                 if self._closed:
                     return
-                self._accept_failed(exc)
+                self.links.accept_failed(exc)
                 time.sleep(0.2)  # EMFILE and the like: the backlog waits, the loop lives
                 continue
             except Exception as exc:  # never dies, whatever happens
-                self._accept_failed(exc)
+                self.links.accept_failed(exc)
                 continue
-            self._accept_recovered()
+            self.links.accept_recovered()
             source, origin = addr[0], f"{addr[0]}:{addr[1]}"
             refusal = gate.enter(source)
             if refusal is not None:
@@ -140,7 +142,7 @@ class TcpTransport(LinkTransport):
 
     def _handshake_then_leave(self, sock: socket.socket, origin: str, gate: HandshakeGate, source: str) -> None:
         try:
-            self._accept(sock, origin)
+            self.links.accept(sock, origin)
         finally:
             gate.leave(source)
 
@@ -184,83 +186,55 @@ class TcpTransport(LinkTransport):
         # reads of an idle link. A send to a lost peer ends when the watchdog drops the link.
         sock.settimeout(None)
 
-    def _receive_frames(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
+    def _receive_frames(self, j: int, link: Any, frames: Frames) -> None:
+        """Each frame's header, then its tag (a small frame's payload in the same call): the tag opened
+        (sealed: checked) and the frame judged before any room is reserved for its payload or more than a
+        small one is read; then the payload lands in a pooled block that `recv` hands out as it is."""
         sock: socket.socket = link
         header = bytearray(FRAME.size)
+        small = memoryview(bytearray(frames.wire_size(SMALL_FRAME_BYTES)))
+        record = memoryview(bytearray(CHUNK + frames.tag_overhead))
 
         def progress() -> None:
             self._heard(j)
 
-        if cipher is not None:
-            self._receive_sealed(j, sock, cipher, progress)
-            return
         while True:
             _recv_exactly(sock, memoryview(header))
             self._heard(j)
             kind, tag_len, size = unpack_frame(bytes(header))
-            tag = bytearray(tag_len)
-            big = size > MAX_DISCARDED_BYTES
-            if big:  # judged by its tag before room is made for it (too big to be read only to be dropped)
-                _recv_exactly(sock, memoryview(tag))
-                self._admit(j, kind, tag.decode(), size)  # takes it, or refuses (drops the link)
-            if kind == DATA:  # control frames never wait: an abort may be what frees room
+            tag_on_wire = bytearray(tag_len + frames.tag_overhead)
+            first = small[: frames.wire_size(size)] if size <= SMALL_FRAME_BYTES else small[:0]
+            _recv_exactly_into(sock, [memoryview(tag_on_wire), first], progress)
+            tag = frames.open_head(bytes(header), bytes(tag_on_wire))
+            keep = self._admit(j, kind, tag, size)
+            if kind == DATA and keep:  # control frames never wait: an abort may be what frees room
                 self._reserve(j, size)
-            payload = self._payload_buffer(size)
-            views = ([] if big else [memoryview(tag)]) + [memoryview(payload.numpy())]  # type: ignore[arg-type]
-            _recv_exactly_into(sock, views, progress)  # a small one: tag and payload in one call
-            text = tag.decode()
-            self._received(j, kind, text, payload, True if big else self._admit(j, kind, text, size))
-            del payload  # the block goes back to the pool as soon as its reader drops it
-
-    def _receive_sealed(self, j: int, sock: socket.socket, cipher: LinkCipher, progress: Callable[[], None]) -> None:
-        """Frames of a sealed link: the header and sealed tag are checked before any room is reserved
-        for the payload or more than a small one is read (a small frame's tag and payload come in one
-        call: two reads, as in clear); each record is opened into its place as it lands."""
-        header = bytearray(FRAME.size)
-        record = bytearray(CHUNK + GCM_TAG)
-        while True:
-            _recv_exactly(sock, memoryview(header))
-            self._heard(j)
-            kind, tag_len, size = unpack_frame(bytes(header))
-            sealed_tag = bytearray(tag_len + GCM_TAG)
-            # a small payload (one record) comes with the tag in one read; a bigger one after the tag's check
-            first = memoryview(record)[: size + GCM_TAG] if 0 < size <= SMALL_FRAME_BYTES else memoryview(record)[:0]
-            _recv_exactly_into(sock, [memoryview(sealed_tag), first], progress)
-            tag = cipher.open_head(bytes(header), bytes(sealed_tag)).decode()
-            keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
-            if kind == DATA and keep:
-                self._reserve(j, size)
-            if keep:
-                payload = self._payload_buffer(size)
-                _recv_sealed_into(sock, cipher, record, memoryview(payload.numpy()), progress)  # type: ignore[arg-type]
-            else:  # opened (its records are numbered) into a sink, record by record, and dropped
-                payload = torch.empty(0, dtype=torch.uint8)
-                _recv_sealed_into(sock, cipher, record, None, progress, size)
+            payload = self._payload_buffer(size) if keep else _NOTHING
+            out = memoryview(payload.numpy()) if keep else None  # type: ignore[arg-type]
+            if len(first):
+                frames.open_all(first, out if out is not None else memoryview(bytearray(size)))
+            elif size:
+                _land(sock, frames, out, size, record, progress)
             self._received(j, kind, tag, payload, keep)
-            del payload  # the block goes back to the pool as soon as its reader drops it
+            del payload, out  # the block goes back to the pool as soon as its reader drops it
 
-    def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
+    def _send_frame(self, link: Any, frames: Frames, head: bytes, data: torch.Tensor) -> None:
         if data.is_cuda:
             data = data.cpu()  # tcp:// stages GPU tensors through the host
-        _send_all(link, [memoryview(header), memoryview(data.numpy())])  # type: ignore[arg-type]
-
-    def _send_sealed(self, link: Any, head: bytes, cipher: LinkCipher, data: torch.Tensor) -> None:
-        if data.is_cuda:
-            data = data.cpu()
-        # one record sealed while the one before drains from the socket buffer; the head leaves
-        # with the first record in one sendmsg
-        records = cipher.seal_records(memoryview(data.numpy()))  # type: ignore[arg-type]
-        first = next(records, None)
+        # the head leaves with the first piece in one sendmsg (in clear: the whole payload); sealed, one
+        # record is sealed while the one before drains from the socket buffer
+        pieces = frames.pieces(memoryview(data.numpy()))  # type: ignore[arg-type]
+        first = next(pieces, None)
         _send_all(link, [memoryview(head)] + ([first] if first is not None else []))
-        for record in records:
-            _send_all(link, [record])
+        for piece in pieces:
+            _send_all(link, [piece])
 
-    def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:
+    def _send_control(self, link: Any, frames: Frames, kind: int) -> bool:
         # A full socket (the peer holds us back, or is frozen) must not hold the heartbeat thread:
         # the frame is made (sealed: numbered) only once there is room for it, and then goes whole
         poller = select.poll()
         poller.register(link, select.POLLOUT)
         if not poller.poll(0):
             return False
-        link.sendall(self._control_frame(cipher, kind))
+        link.sendall(frames.head(kind, "", 0))
         return True

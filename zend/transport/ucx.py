@@ -40,8 +40,10 @@ import numpy as np
 import torch
 
 from zend.transport.frames import DATA, FRAME, MAX_TAG_BYTES, FrameError, unpack_frame
-from zend.transport.link_transport import MAX_HANDSHAKES, HandshakeGate, LinkTransport
-from zend.transport.sealing import GCM_TAG, LinkCipher, sealed_size
+from zend.transport.framing import Frames
+from zend.transport.link_transport import LinkTransport
+from zend.transport.peer_links import MAX_HANDSHAKES, HandshakeGate
+from zend.transport.sealing import GCM_TAG
 
 log = logging.getLogger("zend.transport")
 
@@ -61,6 +63,7 @@ DEVICE_FLAG = 1 << 63  # set in the size field: the payload is GPU memory (clear
 # waiting after the refusal (seen here: the error callback fired, the call hung for its whole
 # timeout while the peer came up 0.5 s later).
 CONNECT_ATTEMPT_S = 3.0
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
@@ -160,7 +163,7 @@ class UcxTransport(LinkTransport):
 
     def _accept_then_leave(self, endpoint: Any, gate: HandshakeGate) -> None:
         try:
-            self._accept(endpoint, "a UCX client")
+            self.links.accept(endpoint, "a UCX client")
         finally:
             gate.leave("ucx")
 
@@ -217,13 +220,13 @@ class UcxTransport(LinkTransport):
         except Exception as exc:  # UCXX errors: the endpoint is broken
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
 
-    def _receive_frames(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
+    def _receive_frames(self, j: int, link: Any, frames: Frames) -> None:
         # The whole loop runs on the event loop: no hop between threads per message.
-        self._io(link, self._receive_async(j, link, cipher), None)
+        self._io(link, self._receive_async(j, link, frames), None)
 
-    async def _receive_async(self, j: int, link: Any, cipher: LinkCipher | None) -> None:
+    async def _receive_async(self, j: int, link: Any, frames: Frames) -> None:
         header = np.empty(HEADER_BYTES, dtype=np.uint8)
-        sealed = np.empty(0, dtype=np.uint8)
+        wire = np.empty(0, dtype=np.uint8)  # this link's landing place for sealed payloads, reused
         loop = asyncio.get_running_loop()
         while not self._closed:
             await link.recv(header)
@@ -231,43 +234,39 @@ class UcxTransport(LinkTransport):
             kind, tag_len, size = unpack_frame(clear)
             on_device = bool(size & DEVICE_FLAG)
             size &= ~DEVICE_FLAG
-            if cipher is None:
-                tag = header[FRAME.size : FRAME.size + tag_len].tobytes().decode()
-            else:  # checked before anything it announces is reserved or received
-                if on_device:
-                    raise FrameError("sent a GPU payload on a sealed link (sealed payloads go through the host)")
-                tag = cipher.open_head(clear, header[FRAME.size : FRAME.size + tag_len + GCM_TAG].tobytes()).decode()
+            if on_device and frames.sealed:
+                raise FrameError("sent a GPU payload on a sealed link (sealed payloads go through the host)")
+            # checked (sealed) before anything it announces is reserved or received
+            tag = frames.open_head(clear, header[FRAME.size : FRAME.size + tag_len + frames.tag_overhead].tobytes())
             self._heard(j, arriving=size)  # the payload comes in one call: its size buys it time
-            keep = self._admit(j, kind, tag, size)  # before any room is reserved for it
+            keep = self._admit(j, kind, tag, size)
             if kind == DATA and keep and self._must_wait(j, size):  # backpressure: off the loop; never for control
                 await loop.run_in_executor(None, self._reserve, j, size)
-            if not keep:  # read (and, sealed, opened: its records are numbered) only to be dropped
-                payload = torch.empty(0, dtype=torch.uint8)
+            if not keep:  # read (sealed: opened, as its records are numbered) only to be dropped
+                payload = _NOTHING
                 if size:
-                    sink = np.empty(sealed_size(size) if cipher is not None else size, dtype=np.uint8)
+                    sink = np.empty(frames.wire_size(size), dtype=np.uint8)
                     await link.recv(sink)
-                    if cipher is not None:
-                        cipher.open_all(memoryview(sink), memoryview(np.empty(size, dtype=np.uint8)))  # type: ignore[arg-type]
+                    frames.open_all(memoryview(sink), memoryview(np.empty(size, dtype=np.uint8)))  # type: ignore[arg-type]
             elif on_device and torch.cuda.is_available():
                 payload = torch.empty(size, dtype=torch.uint8, device="cuda")
                 if size:
                     await link.recv(payload)  # UCX writes into GPU memory (cuda_copy/ipc)
-            elif cipher is not None and size:
-                if sealed.size < sealed_size(size):  # this link's landing place for sealed payloads, reused
-                    sealed = np.empty(sealed_size(size), dtype=np.uint8)
-                wire = sealed[: sealed_size(size)]
-                await link.recv(wire)
-                payload = self._payload_buffer(size)
-                cipher.open_all(memoryview(wire), memoryview(payload.numpy()))  # type: ignore[arg-type]
             else:
                 payload = self._payload_buffer(size)
-                if size:
+                if size and frames.lands_in_place:
                     await link.recv(payload.numpy())
+                elif size:
+                    if wire.size < frames.wire_size(size):
+                        wire = np.empty(frames.wire_size(size), dtype=np.uint8)
+                    arrived = wire[: frames.wire_size(size)]
+                    await link.recv(arrived)
+                    frames.open_all(memoryview(arrived), memoryview(payload.numpy()))  # type: ignore[arg-type]
             self._received(j, kind, tag, payload, keep)
             del payload  # the block goes back to the pool as soon as its reader drops it
 
-    def _send_control(self, link: Any, cipher: LinkCipher | None, kind: int) -> bool:
-        frame = self._control_frame(cipher, kind)
+    def _send_control(self, link: Any, frames: Frames, kind: int) -> bool:
+        frame = frames.head(kind, "", 0)
 
         async def send() -> None:
             await link.send(np.frombuffer(frame, dtype=np.uint8))
@@ -275,41 +274,34 @@ class UcxTransport(LinkTransport):
         try:  # bounded: a frozen peer must not hold the heartbeat thread (a UCX message goes whole or not)
             self._io(link, send(), 1.0)
         except TimeoutError:
-            if cipher is not None:  # sealed and numbered, maybe gone, maybe not: the link's numbers are unsure
+            if frames.sealed:  # sealed and numbered, maybe gone, maybe not: the link's numbers are unsure
                 raise ConnectionError("a sealed control frame did not go within 1 s") from None
             return False
         return True
 
-    def _send_frame(self, link: Any, header: bytes, data: torch.Tensor) -> None:
-        if data.is_cuda:  # GPU memory goes as it is; the flag tells the receiver where to land it
-            size = int.from_bytes(header[12:20], "little") | DEVICE_FLAG
-            header = header[:12] + size.to_bytes(8, "little") + header[20:]
+    def _send_frame(self, link: Any, frames: Frames, head: bytes, data: torch.Tensor) -> None:
+        size = data.numel()
+        payload: Any = None
+        if size and frames.sealed:  # sealed whole on the host (GPU payloads too), then sent as one UCX message
+            with self._in_flight_lock:
+                scratch = self._seal_scratch.get(id(link))
+                if scratch is None or scratch.numel() < frames.wire_size(size):
+                    scratch = torch.empty(frames.wire_size(size), dtype=torch.uint8)
+                    if not link.closed:  # kept for the link's next sends (its close drops it)
+                        self._seal_scratch[id(link)] = scratch
+            payload = scratch[: frames.wire_size(size)].numpy()
+            frames.seal_all(memoryview(data.cpu().numpy()), memoryview(payload))  # type: ignore[arg-type]
+        elif size:  # in clear, GPU memory goes as it is; the flag tells the receiver where to land it
+            payload = data if data.is_cuda else data.numpy()
+            if data.is_cuda:
+                flagged = int.from_bytes(head[12:20], "little") | DEVICE_FLAG
+                head = head[:12] + flagged.to_bytes(8, "little") + head[20:]
 
         async def send() -> None:  # header and payload in one trip to the loop
-            await link.send(np.frombuffer(header, dtype=np.uint8))
-            if data.numel():
-                await link.send(data if data.is_cuda else data.numpy())
+            await link.send(np.frombuffer(head, dtype=np.uint8))
+            if payload is not None:
+                await link.send(payload)
 
         # no timeout: a send may take long at a slow rate; a lost peer's link is dropped by the
         # watchdog, which cancels what is in flight on it
-        self._io(link, send(), None)
-
-    def _send_sealed(self, link: Any, head: bytes, cipher: LinkCipher, data: torch.Tensor) -> None:
-        size = data.numel()
-        wire = None
-        if size:  # sealed whole on the host (GPU payloads too), then sent as one UCX message
-            with self._in_flight_lock:
-                scratch = self._seal_scratch.get(id(link))
-                if scratch is None or scratch.numel() < sealed_size(size):
-                    scratch = torch.empty(sealed_size(size), dtype=torch.uint8)
-                    if not link.closed:  # kept for the link's next sends (its close drops it)
-                        self._seal_scratch[id(link)] = scratch
-            wire = scratch[: sealed_size(size)]
-            cipher.seal_all(memoryview(data.cpu().numpy()), memoryview(wire.numpy()))  # type: ignore[arg-type]
-
-        async def send() -> None:
-            await link.send(np.frombuffer(head, dtype=np.uint8))
-            if wire is not None:
-                await link.send(wire.numpy())
-
         self._io(link, send(), None)
