@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.daemon.conftest import run_all
+from tests.helpers import run_all
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.cluster.command import steps_as_they_complete
 from zend.cluster.local import LocalCluster

@@ -8,52 +8,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import zen
 
-from tests.daemon.conftest import run_all
-from tests.subprocess_env import project_path, with_project
+from tests.helpers import ROOT, launch_ranks, run_all
+from tests.subprocess_env import with_project
 from zend.cluster.local import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class RankCrashed(AssertionError):
-    """A rank died by a signal (returncode < 0); its Python stack, if any, is in the message (faulthandler)."""
-
-
-def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300,  # type: ignore[no-untyped-def]
-                 env: dict[str, str] | None = None) -> list[str]:
-    """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones, then `env`); return
-    their outputs."""
-    from zend.cluster.launcher import rank_env
-
-    port = free_port()
-    procs = []
-    for node in range(cluster.nodes):
-        for local in range(per_node):
-            rank_vars = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
-                         "PYTHONPATH": project_path(),  # ahead of what was there (carried wheels, on a GPU machine)
-                         "PYTHONFAULTHANDLER": "1", **(env or {})}  # a crash prints its stack
-            procs.append(subprocess.Popen([sys.executable, *script], env=rank_vars, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for p in procs:
-            results.append(p.communicate(timeout=timeout_s))
-    finally:
-        for p in procs:
-            p.kill()
-    # a rank that died by a signal is the cause; the others then fail on their broken process group
-    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        if p.returncode < 0:
-            raise RankCrashed(f"rank {rank} died by signal {-p.returncode}:\n{err[-3000:]}")
-    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    return [out for out, _ in results]
 
 
 @pytest.fixture(scope="module")

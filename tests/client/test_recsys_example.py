@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.client.test_client import ROOT, RankCrashed, launch_ranks
+from tests.helpers import ROOT, RankCrashed, launch_ranks
 from zend.cluster.local import LocalCluster
 
 STEPS = 50

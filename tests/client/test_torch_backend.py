@@ -16,7 +16,7 @@ import torch.distributed as dist
 import zen
 import zen.distributed as zd
 
-from tests.client.test_client import ROOT, launch_ranks
+from tests.helpers import ROOT, launch_ranks, poll_for
 from tests.subprocess_env import project_path, with_project
 from zend.cluster.local import LocalCluster, free_port
 
@@ -232,7 +232,8 @@ def test_one_name_runs_one_step_at_a_time_in_call_order_and_results_land_in_plac
     pg = _fake_group(client)
     a, b = _sparse([1]), _sparse([2, 3])
     work_a, work_b = pg.allreduce([a]), pg.allreduce([b])  # one name: b queues behind a
-    time.sleep(0.2)
+    poll_for(lambda: client.ran, 10, "a's step running")
+    time.sleep(0.2)  # the point: b, queued behind a, does not start meanwhile
     assert client.ran == ["pg7.sparse1[10].float32.sum.cpu"]  # only a's step is running
     client.release.set()
     assert work_a.wait() and work_b.wait()
@@ -245,7 +246,7 @@ def test_abort_fails_running_and_queued_work_with_step_aborted_at_once() -> None
     client = _BlockingClient()
     pg = _fake_group(client)
     running, queued = pg.allreduce([_sparse([1])]), pg.allreduce([_sparse([2])])
-    time.sleep(0.1)
+    poll_for(lambda: client.ran, 10, "the first step running, the second queued behind it")
     started = time.monotonic()
     pg.abort()
     for work in (running, queued):

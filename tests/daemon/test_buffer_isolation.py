@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import zend.protocol.session as session_module
-from tests.daemon.conftest import run_all
+from tests.helpers import run_all
 from tests.subprocess_env import project_path
 from zend.buffers import BufferClient, SharedBufferError, wire
 from zend.cluster.local import LocalCluster

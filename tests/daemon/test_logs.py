@@ -6,8 +6,7 @@ import json
 import logging
 import re
 
-from tests.daemon.conftest import run_all
-from tests.daemon.test_daemon import random_grad
+from tests.helpers import random_grad, run_all
 from zend.daemon.logs import JsonFormatter, TextFormatter
 from zend.protocol.session import TrainerSession
 

@@ -37,9 +37,8 @@ import grpc
 import pytest
 import yaml
 
-from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
-from tests.daemon.test_daemon import random_grad
+from tests.helpers import poll_for, random_grad, run_all
 from zend.protocol.session import TrainerSession
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -387,7 +386,7 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
                     assert err.value.code() == grpc.StatusCode.NOT_FOUND
                     h.tensor_id -= 1000
                 link.allreduce(h, random_grad(500, 8, 10 * step + node), step)
-                time.sleep(STEP_PAUSE_S)
+                time.sleep(STEP_PAUSE_S)  # the point: steps spread over scrapes, so the rates have data
 
     # job "zend"; Prometheus presents the operator token, as deploy/README.md says, so labels carry names
     with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5, bearer_token=c.operator_token()) as prom:
@@ -397,11 +396,10 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
         failures = []
         for what, expr in queries + alert_queries:
             query = substitute(expr, targets)
-            deadline = time.monotonic() + 15  # the last steps reach Prometheus within a scrape or two
-            while not has_data(result := prom.query(query)) and time.monotonic() < deadline:
-                time.sleep(0.25)
-            if not has_data(result):
-                failures.append(f"{what}: {query}\n    -> {result}")
+            try:  # the last steps reach Prometheus within a scrape or two
+                poll_for(lambda: has_data(prom.query(query)), 15, query, interval_s=0.25)  # noqa: B023
+            except AssertionError:
+                failures.append(f"{what}: {query}\n    -> {prom.query(query)}")
         with urllib.request.urlopen(names_url, timeout=10) as response:
             names = set(json.load(response)["data"])
     assert not failures, "queries without data:\n" + "\n".join(failures)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.buffers.trainer import ROOT, Trainer
+from tests.helpers import poll_for
 from tests.subprocess_env import with_project
 from zend.buffers import BufferServer, CudaBuffer, SessionInfo, SharedBufferError
 
@@ -62,13 +63,6 @@ def trainer(daemon: Daemon) -> Iterator[Trainer]:
         t.kill()
 
 
-def wait_for_zero_pool(server: BufferServer, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while server.pool_bytes and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return server.pool_bytes == 0
-
-
 def test_trainer_and_daemon_share_a_cuda_buffer(daemon: Daemon, trainer: Trainer) -> None:
     server = daemon.server
     reply = trainer.call(cmd="alloc", nbytes=1 << 20, device="cuda:0")
@@ -85,7 +79,8 @@ def test_trainer_and_daemon_share_a_cuda_buffer(daemon: Daemon, trainer: Trainer
     assert trainer.call(cmd="read", buffer=buf.buffer_id, offset=256, count=3)["values"] == [-1.0, 2.0, 3.0]
 
     assert trainer.exit() == 0
-    assert daemon.closed.wait(10) and wait_for_zero_pool(server)
+    assert daemon.closed.wait(10)
+    poll_for(lambda: server.pool_bytes == 0, 10, "the CUDA pool empty", interval_s=0.02)
 
 
 def test_killed_trainer_ends_its_cuda_session(daemon: Daemon, trainer: Trainer) -> None:
@@ -94,7 +89,8 @@ def test_killed_trainer_ends_its_cuda_session(daemon: Daemon, trainer: Trainer) 
     trainer.call(cmd="alloc", nbytes=4096, device="cpu")
     assert server.pool_bytes == (4 << 20) + 4096
     os.kill(trainer.proc.pid, signal.SIGKILL)
-    assert daemon.closed.wait(10) and wait_for_zero_pool(server)
+    assert daemon.closed.wait(10)
+    poll_for(lambda: server.pool_bytes == 0, 10, "the CUDA pool empty", interval_s=0.02)
     assert server.sessions == []
 
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from tests.daemon.conftest import run_all
+from tests.helpers import run_all
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol import paths
