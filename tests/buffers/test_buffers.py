@@ -122,6 +122,7 @@ def shm_entries() -> set[str]:
 
 # -- a trainer in another process -------------------------------------------------------------
 
+@pytest.mark.daemon
 def test_trainer_and_daemon_share_the_same_memory(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
     t = trainer(cleanup, server.path, "alice")
@@ -148,6 +149,7 @@ def test_trainer_and_daemon_share_the_same_memory(daemon: Daemon, cleanup: list[
     assert server.sessions == []
 
 
+@pytest.mark.daemon
 def test_killed_trainer_frees_its_buffers_and_leaves_nothing_in_dev_shm(
         daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
@@ -174,6 +176,7 @@ def test_killed_trainer_frees_its_buffers_and_leaves_nothing_in_dev_shm(
 
 # -- limits -----------------------------------------------------------------------------------
 
+@pytest.mark.inprocess
 def test_over_limit_allocs_are_refused_naming_the_numbers_and_the_session_goes_on(
         daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]]) -> None:
     server = daemon_factory(max_session_bytes=8192, max_total_bytes=10000).server
@@ -204,6 +207,7 @@ def test_over_limit_allocs_are_refused_naming_the_numbers_and_the_session_goes_o
     bob.alloc(4096)
 
 
+@pytest.mark.inprocess
 def test_out_of_descriptors_refuses_that_alloc_as_resource_exhausted_and_the_session_goes_on(
         daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,6 +235,7 @@ def test_out_of_descriptors_refuses_that_alloc_as_resource_exhausted_and_the_ses
 
 # -- sessions and ownership -------------------------------------------------------------------
 
+@pytest.mark.inprocess
 def test_a_session_cannot_reach_another_sessions_buffer(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
     alice, bob = client(cleanup, server.path, "alice"), client(cleanup, server.path, "bob")
@@ -245,6 +250,7 @@ def test_a_session_cannot_reach_another_sessions_buffer(daemon: Daemon, cleanup:
     bob.alloc(16)  # bob's connection survived the refusal
 
 
+@pytest.mark.inprocess
 def test_refused_and_duplicate_sessions_and_absent_daemon(
         daemon: Daemon, cleanup: list[Callable[[], None]], tmp_path: Path) -> None:
     with pytest.raises(SharedBufferError, match=r"session 'mallory' refused"):
@@ -258,6 +264,7 @@ def test_refused_and_duplicate_sessions_and_absent_daemon(
     assert daemon.server.sessions == ["alice"]
 
 
+@pytest.mark.inprocess
 def test_a_claim_needs_the_sessions_token_and_a_refused_one_leaves_the_session_to_its_trainer(
         daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     """issue 14, item 7: the session id alone claims nothing; a wrong or missing token is refused with
@@ -284,6 +291,7 @@ def test_a_claim_needs_the_sessions_token_and_a_refused_one_leaves_the_session_t
     assert daemon.server.sessions == ["alice"] and alice.alloc(8).nbytes == 8
 
 
+@pytest.mark.inprocess
 def test_a_buffers_memfd_is_mode_0600_on_both_sides(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     """issue 14, item 7: a memfd is born 0777; the daemon's are its owner's only (the trainer maps the
     descriptor it was passed, it never opens the inode)."""
@@ -302,6 +310,7 @@ def test_a_buffers_memfd_is_mode_0600_on_both_sides(daemon: Daemon, cleanup: lis
     assert daemons.view(torch.float32, 0, 1).item() == 2.5
 
 
+@pytest.mark.inprocess
 def test_close_frees_everything_and_removes_the_socket(daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
     alice = client(cleanup, server.path, "alice")
@@ -377,6 +386,7 @@ def raw_exchange(path: str, data: bytes, fd: int | None = None, prefix: bytes = 
             return replies
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("case", sorted(GARBAGE))
 def test_garbage_drops_only_that_connection(case: str, daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
@@ -398,6 +408,7 @@ def test_garbage_drops_only_that_connection(case: str, daemon: Daemon, cleanup: 
     assert server.pool_bytes == 4096 + 64 + 64
 
 
+@pytest.mark.inprocess
 def test_an_attached_fd_or_another_sessions_buffer_id_gets_nothing(
         daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
@@ -438,6 +449,7 @@ def test_an_attached_fd_or_another_sessions_buffer_id_gets_nothing(
     assert alice.alloc(8).nbytes == 8
 
 
+@pytest.mark.inprocess
 def test_many_garbage_connections_at_once_do_not_disturb_a_working_session(
         daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     server = daemon.server
@@ -463,6 +475,7 @@ def test_many_garbage_connections_at_once_do_not_disturb_a_working_session(
     assert not errors and server.pool_bytes == 0 and server.sessions == ["alice"]
 
 
+@pytest.mark.inprocess
 def test_protocol_rejects_malformed_requests_naming_the_problem() -> None:
     with pytest.raises(ProtocolError, match=r"alloc: missing field 'device'"):
         wire.parse_request({"op": "alloc", "nbytes": 5})
@@ -485,6 +498,7 @@ def test_protocol_rejects_malformed_requests_naming_the_problem() -> None:
 
 # -- the socket file --------------------------------------------------------------------------
 
+@pytest.mark.inprocess
 def test_socket_is_not_world_writable_and_a_live_path_is_not_taken_over(
         daemon: Daemon, cleanup: list[Callable[[], None]]) -> None:
     path = daemon.server.path
@@ -500,6 +514,7 @@ def test_socket_is_not_world_writable_and_a_live_path_is_not_taken_over(
     assert daemon.server.sessions == ["alice"]
 
 
+@pytest.mark.inprocess
 def test_a_stale_socket_file_is_replaced_and_other_files_are_not(
         sock_path: str, daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]]) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
@@ -517,6 +532,7 @@ def test_a_stale_socket_file_is_replaced_and_other_files_are_not(
 
 # -- SharedBuffer on its own ------------------------------------------------------------------
 
+@pytest.mark.inprocess
 def test_view_bounds_and_alignment_errors_name_the_values() -> None:
     buf = SharedBuffer.create(64, "b1")
     try:
@@ -543,6 +559,7 @@ def test_view_bounds_and_alignment_errors_name_the_values() -> None:
         SharedBuffer.create(0, "b2")
 
 
+@pytest.mark.inprocess
 def test_attach_checks_the_descriptor() -> None:
     owner = SharedBuffer.create(4096, "b3")
     fd = os.dup(owner.fileno())
@@ -569,6 +586,7 @@ def test_attach_checks_the_descriptor() -> None:
 
 # -- CUDA requests where there is no GPU (the GPU path itself is in tests/gpu) -------------------
 
+@pytest.mark.inprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
 def test_cuda_requests_without_a_gpu_are_refused_naming_the_device(
         daemon_factory: Callable[..., Daemon], cleanup: list[Callable[[], None]]) -> None:
@@ -582,6 +600,7 @@ def test_cuda_requests_without_a_gpu_are_refused_naming_the_device(
     assert alice.alloc(64).nbytes == 64, "a bad request is refused by the client, the session lives on"
 
 
+@pytest.mark.inprocess
 def test_a_malformed_cuda_handle_names_the_field() -> None:
     from zend.buffers import CudaBuffer
 
@@ -597,6 +616,7 @@ STEP = {"op": "step", "tensor": 1, "step": 0, "input": "in", "input_offset": 0, 
         "result_offset": 0, "timeout_s": 5.0}
 
 
+@pytest.mark.inprocess
 def test_steps_run_on_extra_connections_of_the_session_and_end_with_it(daemon_factory, sock_path, cleanup):
     seen: list[tuple[str, int]] = []
     both_in = threading.Barrier(2, timeout=10)
@@ -631,6 +651,7 @@ def test_steps_run_on_extra_connections_of_the_session_and_end_with_it(daemon_fa
         extra[1].step(STEP, 5)
 
 
+@pytest.mark.daemon
 def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_path, cleanup):
     daemon_factory(on_step=lambda info, request: wire.reply_ok())
     client(cleanup, sock_path, "alice")
@@ -643,11 +664,13 @@ def test_a_step_connection_from_another_process_is_refused(daemon_factory, sock_
         BufferClient(sock_path, "bob", token_of("bob"), timeout_s=10, attach=True)  # known, but nobody claimed it
 
 
+@pytest.mark.inprocess
 def test_steps_are_refused_where_the_daemon_does_not_serve_them(daemon, sock_path, cleanup):
     reply = client(cleanup, sock_path, "alice").step(STEP, 5)
     assert reply["ok"] is False and "not served" in reply["error"]
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("field, value, match", [
     ("timeout_s", 0, "timeout_s"), ("timeout_s", True, "timeout_s"), ("step", 2**63, "outside"),
     ("nnz", -1, "outside"), ("input", "", "characters"), ("tensor", "1", "must be int"),

@@ -11,7 +11,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, poll_for
+
+pytestmark = pytest.mark.daemon
 
 ARGS = ["--launch", "--nodes", "2", "--trainers", "1", "--backend", "zen", "--steps", "8", "--dim", "16",
         "--layers", "1", "--heads", "2", "--context", "16", "--batch", "2", "--json"]

@@ -31,6 +31,8 @@ from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
 
+pytestmark = pytest.mark.daemon
+
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534  # the daemon, its honest trainer and the attacker all run as this uid in the /proc test
 ROWS, DIM = 40, 4

@@ -23,6 +23,7 @@ from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
 
 
+@pytest.mark.daemon
 def test_four_nodes_two_trainer_processes_each_get_the_reference_sum(cluster4):
     """8 trainer processes (zend.cluster.workload) push real-trace gradients; each checks every step's sum."""
     procs = []
@@ -45,6 +46,7 @@ def test_four_nodes_two_trainer_processes_each_get_the_reference_sum(cluster4):
         assert len(lines) == 3 and all('"ok": true' in line for line in lines), out
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize(("dtype", "dense", "average"), [(torch.float16, False, True), (torch.bfloat16, False, False),
                                                           (torch.float32, True, True)])
 def test_every_dtype_dense_layout_and_average(cluster4, dtype, dense, average):
@@ -82,6 +84,7 @@ def _one_trainer_per_node(cluster, job, body, nodes=4):  # type: ignore[no-untyp
     return run_all([lambda n=n: run(n) for n in range(nodes)])
 
 
+@pytest.mark.daemon
 def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(cluster4):
     def body(node, link):  # type: ignore[no-untyped-def]
         h = link.register("emb", (100, 16 if node == 2 else 8))
@@ -93,6 +96,7 @@ def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(clust
         assert "node 2 has shape=[100, 16] but node 0 has shape=[100, 8]" in r.details()
 
 
+@pytest.mark.daemon
 def test_steps_by_grpc_and_on_the_buffer_socket_are_the_same_step(cluster4):
     """Half the nodes submit by gRPC, half on the socket: one sum, the same bits; errors alike."""
     def body(node, link):  # type: ignore[no-untyped-def]
@@ -121,6 +125,7 @@ def _session(cluster, node=0, job="bad", local_world_size=1):  # type: ignore[no
     return TrainerSession(cluster.socket_dir(node), job, cluster.token(job), 0, local_world_size, timeout_s=10)
 
 
+@pytest.mark.daemon
 def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4):
     link = _session(cluster4)
     try:
@@ -195,6 +200,7 @@ def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4
         torch.testing.assert_close(r, ref)
 
 
+@pytest.mark.daemon
 def test_a_session_never_connected_expires_and_frees_its_local_rank(fresh_cluster):
     """A trainer that died between OpenSession and its buffer connection must not hold its rank forever."""
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
@@ -229,6 +235,7 @@ def test_a_session_never_connected_expires_and_frees_its_local_rank(fresh_cluste
         link.close()
 
 
+@pytest.mark.daemon
 def test_deadline_exceeded_when_a_local_trainer_never_submits(cluster4):
     with _session(cluster4, job="late", local_world_size=2) as link:
         h = link.register("emb", (10, 2))
@@ -239,6 +246,7 @@ def test_deadline_exceeded_when_a_local_trainer_never_submits(cluster4):
         assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.daemon
 def test_repeated_submission_returns_the_same_result(cluster4):
     def body(node, link):  # type: ignore[no-untyped-def]
         h = link.register("emb", (40, 2))
@@ -250,6 +258,7 @@ def test_repeated_submission_returns_the_same_result(cluster4):
         torch.testing.assert_close(first, again)
 
 
+@pytest.mark.daemon
 def test_status_reports_peers_sessions_and_tensors(cluster4):
     run = subprocess.run([sys.executable, "-m", "zend", "status", "--json", "--socket-dir", cluster4.socket_dir(1)],
                          capture_output=True, text=True, timeout=60, env=cluster4.env)  # the secret: the full view
@@ -263,6 +272,7 @@ def test_status_reports_peers_sessions_and_tensors(cluster4):
     assert any(t["name"] == "wte" and t["steps"] >= 1 for t in status["tensors"])
 
 
+@pytest.mark.daemon
 def test_status_and_health_find_the_daemon_through_zen_socket_dir(cluster4):
     """The one variable the client reads too; the old ZEND_SOCKET_DIR still works, with a deprecation line."""
     env = {k: v for k, v in os.environ.items() if k not in ("ZEN_SOCKET_DIR", "ZEND_SOCKET_DIR")}
@@ -287,6 +297,7 @@ def _bearer(token: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")]
 
 
+@pytest.mark.daemon
 def test_the_operator_api_needs_the_operator_token_and_undrain_restores_serving(fresh_cluster):
     """Over --grpc-listen (TCP) and the unix socket: Status without the operator token names no job, tensor,
     pid or address; Drain with a wrong or no token is UNAUTHENTICATED and changes nothing; with the token it
@@ -348,6 +359,7 @@ def test_the_operator_api_needs_the_operator_token_and_undrain_restores_serving(
     assert "operator call refused" in c.log_path(0).read_text()
 
 
+@pytest.mark.daemon
 def test_the_trainer_service_is_on_tcp_only_when_enabled(fresh_cluster):
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
     from zend.cluster.local import free_port
@@ -371,6 +383,7 @@ def test_the_trainer_service_is_on_tcp_only_when_enabled(fresh_cluster):
     assert "Trainer service is served on TCP" not in default.log_path(0).read_text()
 
 
+@pytest.mark.daemon
 def test_a_killed_peer_daemon_aborts_the_step_for_every_trainer_in_bounded_time(fresh_cluster):
     c = fresh_cluster(4, extra=["--peer-timeout-s", "5", "--step-timeout-s", "60", "--log-format", "text"])
     start = time.monotonic()
@@ -391,6 +404,7 @@ def test_a_killed_peer_daemon_aborts_the_step_for_every_trainer_in_bounded_time(
     assert elapsed < 20, f"took {elapsed:.1f} s"
 
 
+@pytest.mark.daemon
 def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cluster):
     c = fresh_cluster(1, extra=["--log-format", "text"])
     script = (
@@ -431,6 +445,7 @@ def pool_bytes(cluster, node: int) -> int:  # type: ignore[no-untyped-def]
     return int(node_status(cluster, node).buffer_pool_bytes)
 
 
+@pytest.mark.daemon
 def test_bad_config_and_a_port_that_will_not_bind_fail_at_once(tmp_path):
     env = {**os.environ, "ZEN_CLUSTER_SECRET": "x" * 32}
     run = subprocess.run([sys.executable, "-m", "zend", "serve", "--scheme", "magic"], capture_output=True,
@@ -460,6 +475,7 @@ def _sum_on_every_node(cluster, nodes, job="j"):  # type: ignore[no-untyped-def]
         torch.testing.assert_close(r, ref)
 
 
+@pytest.mark.daemon
 def test_rendezvous_through_torch_tcpstore(fresh_cluster):
     c = fresh_cluster(3, rendezvous=True, extra=["--log-format", "text"])
     _sum_on_every_node(c, 3)
@@ -491,6 +507,7 @@ class TorchrunEnvCluster(LocalCluster):
         super().start_node(node)
 
 
+@pytest.mark.daemon
 def test_rendezvous_env_takes_torchruns_node_level_variables(tmp_path):
     with TorchrunEnvCluster(2, tmp_path, extra=["--log-format", "text"]) as c:
         _sum_on_every_node(c, 2)
@@ -499,6 +516,7 @@ def test_rendezvous_env_takes_torchruns_node_level_variables(tmp_path):
         assert f'"membership": "rendezvous tcpstore://127.0.0.1:{c.port}' in run.stdout, run.stdout
 
 
+@pytest.mark.daemon
 def test_ucx_data_plane_between_daemons(fresh_cluster):
     pytest.importorskip("ucxx", reason="ucxx-cu12 is installed by `make` (extra 'ucx')")
     c = fresh_cluster(2, transport="ucx", extra=["--log-format", "text"], env={"UCX_TLS": "tcp"})
@@ -518,6 +536,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@pytest.mark.daemon
 def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):
     c = fresh_cluster(2, extra=["--log-format", "text", "--drain-timeout-s", "20"])
 
@@ -542,6 +561,7 @@ def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.netns
 def test_zend_cluster_in_emulated_network_namespaces():
     from zend.cluster.netns import available
 
@@ -557,6 +577,7 @@ def test_zend_cluster_in_emulated_network_namespaces():
     assert "zen" not in leftover, leftover
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("scheme", ["dense", "auto"])
 def test_every_node_gets_exactly_the_rows_sent_whatever_the_scheme(fresh_cluster, scheme):
     """Two nodes x two trainers send rows {0, 3, 5} / {3} and {7} / {} of an 8-row tensor (row 3 sums
@@ -586,6 +607,7 @@ def test_every_node_gets_exactly_the_rows_sent_whatever_the_scheme(fresh_cluster
             assert out.values[:, 0].tolist() == [1.0, 0.0, 1.0, 5.0]
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("dense", [False, True])
 def test_buffers_that_show_writes_only_once_published_still_give_every_trainer_the_sum(fresh_cluster, monkeypatch,
                                                                                        dense):

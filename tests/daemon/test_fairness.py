@@ -27,6 +27,8 @@ from zend.core.sparse import SparseGrad
 from zend.protocol.health import health_status
 from zend.protocol.session import TrainerSession
 
+pytestmark = pytest.mark.daemon
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

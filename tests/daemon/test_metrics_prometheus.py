@@ -13,9 +13,9 @@ from tests.helpers import poll_for, random_grad, run_all
 from zend.daemon.jobs import job_key, tensor_id
 from zend.protocol.session import TrainerSession
 
-pytestmark = pytest.mark.skipif(prometheus_binary() is None,
+pytestmark = [pytest.mark.daemon, pytest.mark.skipif(prometheus_binary() is None,
                                 reason="needs the prometheus server binary (Debian package 'prometheus'; "
-                                       ".ci/run installs it)")
+                                       ".ci/run installs it)")]
 
 KEY_SERIES = [
     "zen_step_duration_seconds_count > 0",

@@ -24,6 +24,8 @@ from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.layout import TensorSpec
 from zend.transport.inproc import InProcessCluster
 
+pytestmark = pytest.mark.inprocess
+
 SECRET = b"in-process-node-step-secret"
 JOB = "job"
 

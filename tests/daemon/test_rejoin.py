@@ -14,6 +14,8 @@ import zen
 
 from tests.helpers import node_status, random_grad, run_all
 
+pytestmark = pytest.mark.daemon
+
 PEER_TIMEOUT_S = 2.0
 EXTRA = ["--peer-timeout-s", str(PEER_TIMEOUT_S), "--step-timeout-s", "30", "--log-format", "text",
          "--connect-timeout-s", "60"]

@@ -25,6 +25,8 @@ from zend.daemon.errors import StepError
 from zend.protocol.layout import TensorSpec
 from zend.transport.inproc import InProcessCluster
 
+pytestmark = pytest.mark.inprocess
+
 NODES, TRAINERS = 4, 2
 
 
@@ -105,6 +107,7 @@ def schedules(seed: int, scheme: str, count: int) -> list[Schedule]:
     return out
 
 
+@pytest.mark.slow  # 60 schedules a scheme, 5 s each: `make test` runs it, `make test-fast` does not
 @pytest.mark.parametrize("scheme", ["zen", "dense", "sparse_ps"])
 def test_under_random_faults_the_nodes_still_up_all_deliver_the_same_bits_or_all_fail(scheme: str) -> None:
     full = reference_sum([grad_of(i, 0, rows=300) for i in range(NODES * TRAINERS)])

@@ -8,11 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.helpers import poll_for, random_grad, run_all, status_code, steps_in_flight
 from tests.subprocess_env import with_project
 from zend.protocol.session import StepRefused, TrainerSession
+
+pytestmark = pytest.mark.daemon
 
 PEER_TIMEOUT_S = 2.0
 EXTRA = ["--peer-timeout-s", str(PEER_TIMEOUT_S), "--step-timeout-s", "60", "--log-format", "text"]

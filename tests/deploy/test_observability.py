@@ -148,6 +148,7 @@ def operands(expr: str) -> list[str]:
     return [q for part in parts for q in operands(part)]
 
 
+@pytest.mark.inprocess
 def test_operands_splits_conditions_and_keeps_the_rest_whole():
     assert operands("zen_peer_up == 0") == ["zen_peer_up"]
     assert operands('up{job="a>b"} == 0') == ['up{job="a>b"}']
@@ -170,11 +171,13 @@ def load_builder() -> ModuleType:
     return module
 
 
+@pytest.mark.inprocess
 def test_dashboard_json_is_generated_and_current():
     assert load_builder().render() == DASHBOARD.read_text(), (
         "deploy/grafana/zen-dashboard.json is stale: run python deploy/grafana/build_dashboard.py")
 
 
+@pytest.mark.inprocess
 def test_dashboard_round_trips_through_grafanas_dashboard_schema():
     pytest.importorskip("grafana_foundation_sdk", reason="needs grafana-foundation-sdk (dev extra)")
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -189,6 +192,7 @@ def test_dashboard_round_trips_through_grafanas_dashboard_schema():
     assert json.loads(JSONEncoder().encode(Dashboard.from_json(tampered))) != tampered
 
 
+@pytest.mark.inprocess
 def test_dashboard_is_well_formed_for_grafana():
     d = dashboard()
     assert d["uid"] and d["title"] and d["schemaVersion"] >= 39
@@ -218,6 +222,7 @@ def test_dashboard_is_well_formed_for_grafana():
     assert used - builtin <= set(variables), f"undefined variables: {used - builtin - set(variables)}"
 
 
+@pytest.mark.inprocess
 def test_dashboard_shows_every_daemon_metric():
     from zend.daemon.metrics import DaemonMetrics
 
@@ -227,6 +232,7 @@ def test_dashboard_shows_every_daemon_metric():
     assert not missing, f"metrics on no dashboard panel: {sorted(missing)}"
 
 
+@pytest.mark.inprocess
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     ds = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text())
     (source,) = ds["datasources"]
@@ -236,6 +242,7 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     assert provider["type"] == "file" and provider["options"]["path"] == "/var/lib/grafana/dashboards/zen"
 
 
+@pytest.mark.daemon
 @needs_promtool
 def test_promtool_checks_the_rules_and_the_config():
     for args in (["check", "rules", str(ALERTS)], ["check", "config", str(PROM_CONFIG)]):
@@ -329,6 +336,7 @@ ALERT_UNIT_TESTS = {
 }
 
 
+@pytest.mark.daemon
 @needs_promtool
 def test_alert_rules_fire_on_made_up_series(tmp_path):
     tests = tmp_path / "alerts_test.yml"
@@ -365,6 +373,7 @@ def has_data(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)
 
 
+@pytest.mark.daemon
 @pytest.mark.skipif(prometheus_binary() is None,
                     reason="needs the prometheus server binary (Debian package 'prometheus'; .ci/run installs it)")
 def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cluster, tmp_path):

@@ -63,6 +63,7 @@ def trainer(daemon: Daemon) -> Iterator[Trainer]:
         t.kill()
 
 
+@pytest.mark.daemon
 def test_trainer_and_daemon_share_a_cuda_buffer(daemon: Daemon, trainer: Trainer) -> None:
     server = daemon.server
     reply = trainer.call(cmd="alloc", nbytes=1 << 20, device="cuda:0")
@@ -83,6 +84,7 @@ def test_trainer_and_daemon_share_a_cuda_buffer(daemon: Daemon, trainer: Trainer
     poll_for(lambda: server.pool_bytes == 0, 10, "the CUDA pool empty", interval_s=0.02)
 
 
+@pytest.mark.daemon
 def test_killed_trainer_ends_its_cuda_session(daemon: Daemon, trainer: Trainer) -> None:
     server = daemon.server
     trainer.call(cmd="alloc", nbytes=4 << 20, device="cuda:0")
@@ -94,6 +96,7 @@ def test_killed_trainer_ends_its_cuda_session(daemon: Daemon, trainer: Trainer) 
     assert server.sessions == []
 
 
+@pytest.mark.daemon
 def test_export_opens_in_another_process() -> None:
     buf = CudaBuffer.create(4096, "direct", "cuda:0")
     try:
@@ -128,6 +131,7 @@ buf.close()
 """
 
 
+@pytest.mark.daemon
 def test_ipc_hand_off_latency(gpu_figure) -> None:  # type: ignore[no-untyped-def]
     """Opening a buffer's IPC handle in a trainer process, and one 1 MiB write published to the daemon."""
     buf = CudaBuffer.create(1 << 20, "latency", "cuda:0")
@@ -146,6 +150,7 @@ def test_ipc_hand_off_latency(gpu_figure) -> None:  # type: ignore[no-untyped-de
         buf.close()
 
 
+@pytest.mark.inprocess
 def test_each_buffer_is_alone_in_its_cuda_allocation() -> None:
     """An IPC handle opens a whole allocation: two buffers must never share one."""
     bufs = [CudaBuffer.create(n, f"b{n}", "cuda:0") for n in (512, 512, 3 << 20)]
@@ -158,6 +163,7 @@ def test_each_buffer_is_alone_in_its_cuda_allocation() -> None:
             b.close()
 
 
+@pytest.mark.inprocess
 def test_cuda_views_and_refusals_name_the_values() -> None:
     buf = CudaBuffer.create(64, "c1", "cuda:0")
     try:

@@ -14,7 +14,7 @@ from tests.helpers import random_grad, run_all
 from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.daemon, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("dense", [False, True])

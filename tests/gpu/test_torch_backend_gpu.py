@@ -12,7 +12,7 @@ import torch
 from tests.daemon.conftest import fresh_cluster  # noqa: F401  (fixture)
 from tests.helpers import ROOT, launch_ranks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.daemon, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

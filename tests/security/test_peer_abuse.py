@@ -10,6 +10,7 @@ import socket
 import struct
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from zend.transport import handshake as hs
 from zend.transport import parse_uri
 from zend.transport.frames import ABORT, DATA, FRAME, FRAME_VERSION, GOODBYE, HEARTBEAT, MAGIC
 from zend.transport.sealing import LinkCipher
+
+pytestmark = pytest.mark.daemon
 
 SETTINGS = settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 

@@ -11,6 +11,7 @@ import socket
 import struct
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +22,8 @@ from zend.buffers import wire
 from zend.protocol import paths
 from zend.transport import parse_uri
 from zend.transport.handshake import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.daemon
 
 SETTINGS = settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 ANSWER_WITHIN_S = 3.0

@@ -34,6 +34,8 @@ from zend.protocol import paths
 from zend.protocol.health import health_status
 from zend.protocol.session import TrainerSession
 
+pytestmark = pytest.mark.daemon
+
 RUN_ID = "zen-zen"  # the elastic rendezvous of cluster id "zen" (LocalCluster's)
 STATE_KEY = f"torch.rendezvous.{RUN_ID}"
 EXTRA = ["--peer-timeout-s", "2", "--step-timeout-s", "20", "--connect-timeout-s", "60", "--log-format", "json",

@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers import poll_for
 
+pytestmark = pytest.mark.daemon
+
 
 def _from(source: str, address: tuple[str, int]) -> socket.socket:
     s = socket.socket()

@@ -13,6 +13,8 @@ import pytest
 from tests.helpers import poll_for
 from tests.transport.conftest import RemoteError
 
+pytestmark = pytest.mark.daemon
+
 PEER_TIMEOUT_S = 1.0
 
 
