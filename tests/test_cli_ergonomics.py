@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.daemon.conftest import run_all
+from tests.helpers import run_all
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.cluster.command import steps_as_they_complete
 from zend.cluster.local import LocalCluster
@@ -52,6 +52,7 @@ print(json.dumps({"out": out.getvalue(), "heavy": heavy}))
 """
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("argv, expect", [
     (["--help"], "{simulate,serve,status,health,store,secret,token,cluster}"),
     (["--version"], "zend "),
@@ -76,6 +77,7 @@ def test_help_version_and_token_import_no_torch_numpy_numba_or_grpc(argv, expect
 
 # ---------------------------------------------------------------------------------------- token
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("secret_env", [None, ""])
 def test_token_without_a_secret_says_none_is_set_and_how_to_set_one(secret_env):
     env = env_without(SECRET_ENV, SECRET_FILE_ENV, **({SECRET_ENV: secret_env} if secret_env is not None else {}))
@@ -88,6 +90,7 @@ def test_token_without_a_secret_says_none_is_set_and_how_to_set_one(secret_env):
     assert len(run.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.daemon
 def test_token_with_a_short_secret_still_says_how_short(tmp_path):
     (tmp_path / "secret").write_text("short\n")
     run = zend("token", "--job", "j", "--secret-file", str(tmp_path / "secret"), env=env_without(SECRET_ENV))
@@ -96,6 +99,7 @@ def test_token_with_a_short_secret_still_says_how_short(tmp_path):
 
 # ---------------------------------------------------------------------------------------- status
 
+@pytest.mark.daemon
 def test_status_table_and_json_from_live_daemons(tmp_path):
     """Two nodes, one trainer each with a registered tensor that has synchronised one step: the table
     shows the node, its peer, the sessions and the tensor; --json the same with real numbers. --drain and
@@ -156,6 +160,7 @@ def test_status_table_and_json_from_live_daemons(tmp_path):
     assert status["sessions"][0]["job_id"] == "jobA" and isinstance(status["sessions"][0]["pid"], int)
 
 
+@pytest.mark.inprocess
 def test_status_table_names_a_down_peer_and_leaves_unrun_steps_blank():
     reply = pb.StatusReply(node_rank=1, node_count=3, generation=2, cluster_id="c", membership="elastic x",
                            transport="ucx", ucx_transports=["rc", "cuda_copy"], draining=True,
@@ -176,6 +181,7 @@ def test_status_table_names_a_down_peer_and_leaves_unrun_steps_blank():
 
 # ---------------------------------------------------------------------------------------- cluster
 
+@pytest.mark.daemon
 def test_cluster_rejects_an_unknown_scheme_in_one_line():
     run = zend("cluster", "--scheme", "bogus", "--nodes", "1")
     assert run.returncode == 2 and "Traceback" not in run.stderr
@@ -191,6 +197,7 @@ for step in range(2):
 """
 
 
+@pytest.mark.daemon
 def test_cluster_rows_come_as_each_step_completes():
     """Step 0's row is out while the trainers still wait to do step 1, not once they all exited."""
     procs = [subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, str(node)], stdin=subprocess.PIPE,
@@ -220,6 +227,7 @@ def _zend_cluster_in(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedPr
     return run, list(tmp_path.glob("zend-cluster-*"))
 
 
+@pytest.mark.daemon
 def test_cluster_removes_its_temporary_folder_only_after_a_clean_run_and_says_so(tmp_path):
     run, left = _zend_cluster_in(tmp_path / "ok")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -239,6 +247,7 @@ def test_cluster_removes_its_temporary_folder_only_after_a_clean_run_and_says_so
 RENDEZVOUS_VARIABLES = (*ADDRESS_VARIABLES, *NODE_RANK_VARIABLES, *NODE_COUNT_VARIABLES, PORT_VARIABLE)
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("given, missing", [
     ({}, ["MASTER_ADDR", "GROUP_RANK", "GROUP_WORLD_SIZE"]),
     ({"MASTER_ADDR": "127.0.0.1", "GROUP_RANK": "0"}, ["GROUP_WORLD_SIZE", "NNODES"]),
@@ -253,6 +262,7 @@ def test_serve_rendezvous_env_names_what_is_missing_before_making_its_socket_fol
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.inprocess
 def test_status_of_a_node_with_20000_tensors_stays_within_the_cli_reply_limit():
     from zend.daemon.jobs import TensorStats
     from zend.daemon.operator_service import MAX_STATUS_ROWS, status_reply
@@ -271,6 +281,7 @@ def test_status_of_a_node_with_20000_tensors_stays_within_the_cli_reply_limit():
     assert f"sessions ({MAX_STATUS_ROWS} of 5000 shown)" in table
 
 
+@pytest.mark.daemon
 def test_zend_secret_makes_a_random_secret_that_every_command_reads_and_no_weakness_is_logged(tmp_path):
     from zend.daemon.jobs import job_token
     from zend.daemon.secret import decode
@@ -290,6 +301,7 @@ def test_zend_secret_makes_a_random_secret_that_every_command_reads_and_no_weakn
     assert token.stdout.strip() == job_token(decode(path.read_bytes().strip(), "test"), "j")
 
 
+@pytest.mark.daemon
 def test_a_printable_passphrase_is_logged_as_weak_and_still_works() -> None:
     """A 23-character dictionary secret fell to an offline guess in 0.06 s (issue 32)."""
     weak = zend("token", "--job", "j", env=env_without(SECRET_FILE_ENV, **{SECRET_ENV: "correct horse battery staple"}))

@@ -12,6 +12,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 from tests.subprocess_env import with_project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +30,7 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+@pytest.mark.daemon
 def test_every_module_the_gpu_checks_import_is_on_the_lent_machine_or_carried() -> None:
     code = ("import importlib, json, sys\n"
             f"for m in {list(gpu_preflight.NEEDED)!r}:\n    importlib.import_module(m)\n"
@@ -54,6 +57,7 @@ def test_every_module_the_gpu_checks_import_is_on_the_lent_machine_or_carried() 
     assert not unmet, f"imported by the GPU checks, but neither on the lent machine nor carried: {unmet}"
 
 
+@pytest.mark.inprocess
 def test_the_carried_grpcio_and_protobuf_are_what_the_stubs_were_generated_for() -> None:
     stubs = (ROOT / "zend/api/zen/v1/zen_pb2_grpc.py").read_text()
     grpc_needed = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", stubs)
@@ -67,6 +71,7 @@ def test_the_carried_grpcio_and_protobuf_are_what_the_stubs_were_generated_for()
     assert _version(carried["protobuf"]) >= tuple(int(x) for x in gencode.groups())
 
 
+@pytest.mark.daemon
 def test_the_gpu_check_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_checks.sh")]).returncode == 0
 

@@ -63,11 +63,13 @@ def package_of(module: str) -> str | None:
     return max(keys, key=len) if keys else None
 
 
+@pytest.mark.inprocess
 def test_every_module_of_zend_is_in_a_package_named_for_one_role():
     loose = sorted(m for m in modules() if package_of(m) is None)
     assert loose == ["zend", "zend.__main__", "zend.cli"], f"modules outside the packages: {loose}"
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_a_package_imports_only_the_layers_below_it(package):
     wrong = []
@@ -85,6 +87,7 @@ def test_a_package_imports_only_the_layers_below_it(package):
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.inprocess
 def test_core_imports_no_network_grpc_or_prometheus_module():
     wrong = [f"{m} imports {name}" for m, path in modules().items() if package_of(m) == "zend.core"
              for name in imports_of(path) if name.split(".")[0] in NOT_IN_CORE]
@@ -99,12 +102,14 @@ def _loaded_after(statement: str) -> list[str]:
     return loaded
 
 
+@pytest.mark.daemon
 def test_the_client_never_loads_the_daemon():
     loaded = _loaded_after("import zen")
     assert "zend.protocol.session" in loaded
     assert not [m for m in loaded if m.startswith(("zend.daemon", "zend.transport", "zend.cluster"))]
 
 
+@pytest.mark.daemon
 def test_nothing_below_the_daemon_loads_it():
     loaded = _loaded_after("import zend.core.schemes, zend.transport.tcp, zend.transport.inproc, zend.buffers, "
                            "zend.protocol.session, zend.runtime.tuning")
@@ -116,6 +121,7 @@ def test_nothing_below_the_daemon_loads_it():
                 or m.startswith(above_core)]
 
 
+@pytest.mark.inprocess
 def test_architecture_lists_every_module() -> None:
     """docs/ARCHITECTURE.md's "Every module" names each module of zend/ and client/zen (the generated
     gRPC stubs aside), and nothing that is gone."""

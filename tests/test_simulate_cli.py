@@ -8,6 +8,7 @@ import pytest
 from zend.cli import main
 
 
+@pytest.mark.inprocess
 def test_simulate_table_on_the_real_trace(capsys):
     assert main(["simulate", "--nodes", "4,8", "--dim", "16", "--steps", "2"]) == 0
     out = capsys.readouterr().out
@@ -16,6 +17,7 @@ def test_simulate_table_on_the_real_trace(capsys):
     assert "NO" not in out.split("recv/sent")[0]  # every rank got identical bits
 
 
+@pytest.mark.inprocess
 def test_simulate_json_meets_the_shape_of_the_claims(capsys):
     assert main(["simulate", "--nodes", "8", "--dim", "32", "--json", "--schemes", "zen,sparse_ps,dense"]) == 0
     rows = {r["scheme"]: r for r in json.loads(capsys.readouterr().out)}
@@ -25,6 +27,7 @@ def test_simulate_json_meets_the_shape_of_the_claims(capsys):
     assert rows["sparse_ps"]["push_imbalance"] > 2
 
 
+@pytest.mark.inprocess
 def test_any_token_stream_and_vocabulary(tmp_path, capsys):
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).zipf(1.3, 20_000).clip(max=999))
@@ -34,6 +37,7 @@ def test_any_token_stream_and_vocabulary(tmp_path, capsys):
     assert {r["scheme"] for r in rows} == {"zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense", "auto"}
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "4,x"], "not a comma-separated list"),
     (["--schemes", "zen,ring"], "unknown scheme"),
@@ -47,6 +51,8 @@ def test_bad_arguments_are_named(args, message):
     assert message in proc.stderr
 
 
+@pytest.mark.inprocess
+@pytest.mark.slow  # 8 exact runs of every scheme, 7 s: `make test` runs them, `make test-fast` does not
 @pytest.mark.parametrize("n", [2, 5, 8, 12])
 @pytest.mark.parametrize("dim", [1, 64])
 def test_counted_traffic_equals_the_exchanged_traffic_byte_for_byte(n, dim):
@@ -67,6 +73,8 @@ def test_counted_traffic_equals_the_exchanged_traffic_byte_for_byte(n, dim):
         assert e.method == "exact" and m.method == "model" and m.identical_on_all_ranks is None
 
 
+@pytest.mark.inprocess
+@pytest.mark.slow  # 15 s of counting: `make test` runs it, `make test-fast` does not
 def test_simulate_reaches_a_thousand_ranks_by_counting():
     from zend.simulator.simulation import simulate
     from zend.simulator.traces import TokenTrace
@@ -78,6 +86,7 @@ def test_simulate_reaches_a_thousand_ranks_by_counting():
     assert zen.pull_imbalance < 1.5
 
 
+@pytest.mark.inprocess
 def test_every_registered_scheme_has_a_traffic_model_and_is_simulated_by_default():
     import torch
 

@@ -4,6 +4,8 @@ import torch
 
 from zend.simulator.traces import GPT2_VOCAB, TokenTrace, default_tokens_path, load_tokens
 
+pytestmark = pytest.mark.inprocess
+
 
 def test_bundled_fixture_is_gpt2_tokenized_english():
     tokens = load_tokens(default_tokens_path(), GPT2_VOCAB)

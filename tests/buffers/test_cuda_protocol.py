@@ -22,6 +22,8 @@ from tests.buffers.trainer import token_of
 from zend.buffers import BufferClient, BufferServer, CudaBuffer, ProtocolError, SessionInfo, SharedBufferError
 from zend.buffers import cuda as cuda_buffers
 
+pytestmark = pytest.mark.inprocess
+
 
 class FakeCuda:
     """CPU stand-ins for the GPU: allocations are CPU tensors, an IPC handle is a key into a table of them."""

@@ -8,52 +8,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import zen
 
-from tests.daemon.conftest import run_all
-from tests.subprocess_env import project_path, with_project
+from tests.helpers import ROOT, launch_ranks, run_all
+from tests.subprocess_env import with_project
 from zend.cluster.local import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class RankCrashed(AssertionError):
-    """A rank died by a signal (returncode < 0); its Python stack, if any, is in the message (faulthandler)."""
-
-
-def launch_ranks(cluster, script: list[str], job: str, per_node: int = 1, timeout_s: float = 300,  # type: ignore[no-untyped-def]
-                 env: dict[str, str] | None = None) -> list[str]:
-    """Run one process per rank (torchrun's variables + the sidecar's ZEN_* ones, then `env`); return
-    their outputs."""
-    from zend.cluster.launcher import rank_env
-
-    port = free_port()
-    procs = []
-    for node in range(cluster.nodes):
-        for local in range(per_node):
-            rank_vars = {**os.environ, **rank_env(node, local, cluster.nodes, per_node, port, cluster, job),
-                         "PYTHONPATH": project_path(),  # ahead of what was there (carried wheels, on a GPU machine)
-                         "PYTHONFAULTHANDLER": "1", **(env or {})}  # a crash prints its stack
-            procs.append(subprocess.Popen([sys.executable, *script], env=rank_vars, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-    results = []
-    try:
-        for p in procs:
-            results.append(p.communicate(timeout=timeout_s))
-    finally:
-        for p in procs:
-            p.kill()
-    # a rank that died by a signal is the cause; the others then fail on their broken process group
-    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        if p.returncode < 0:
-            raise RankCrashed(f"rank {rank} died by signal {-p.returncode}:\n{err[-3000:]}")
-    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    return [out for out, _ in results]
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +27,17 @@ def cluster2(tmp_path_factory):  # type: ignore[no-untyped-def]
         yield c
 
 
+@pytest.mark.daemon
 def test_ddp_hook_gives_plain_ddps_gradients_with_unused_embeddings_and_topk(cluster2):
     launch_ranks(cluster2, [str(ROOT / "tests/client/worker.py"), "ddp"], "ddp")
 
 
+@pytest.mark.daemon
 def test_helper_in_fp32_fp16_bf16_with_unused_and_empty_gradients_pairs_and_async(cluster2):
     launch_ranks(cluster2, [str(ROOT / "tests/client/worker.py"), "helper"], "helper")
 
 
+@pytest.mark.daemon
 def test_helper_through_buffers_that_show_writes_only_once_published(tmp_path):
     """The client, its async path and sync_gradients over the fenced double of a device buffer
     (zend/buffers/fenced.py): a hand-off without publish or acquire would give the wrong sums here."""
@@ -84,6 +49,7 @@ def test_helper_through_buffers_that_show_writes_only_once_published(tmp_path):
         launch_ranks(c, [str(ROOT / "tests/client/worker.py"), "helper"], "fenced-helper", env={fenced.ENV: "1"})
 
 
+@pytest.mark.inprocess
 def test_daemon_absent_names_the_address(tmp_path):
     with pytest.raises(zen.DaemonUnavailable, match=f"no zend daemon at unix:{tmp_path}/zend.sock"):
         zen.Client(str(tmp_path), job="j", token="t")
@@ -91,6 +57,7 @@ def test_daemon_absent_names_the_address(tmp_path):
         zen.Client(str(tmp_path), job="j", token="")
 
 
+@pytest.mark.daemon
 def test_wrong_token_and_invalid_tensors_raise_typed_errors(cluster2):
     with pytest.raises(zen.NotAuthorized, match="not job 'j'"):
         zen.Client(cluster2.socket_dir(0), job="j", token=cluster2.token("other"))
@@ -107,6 +74,7 @@ def test_wrong_token_and_invalid_tensors_raise_typed_errors(cluster2):
             client.allreduce((torch.tensor([1]), torch.ones(1)), name="pair")
 
 
+@pytest.mark.daemon
 def test_timeout_raises_step_timeout(cluster2):
     # node 1 never submits: node 0's step cannot finish
     with zen.Client(cluster2.socket_dir(0), job="slow", token=cluster2.token("slow")) as client:
@@ -116,6 +84,7 @@ def test_timeout_raises_step_timeout(cluster2):
         assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.daemon
 def test_daemon_killed_mid_step_raises_daemon_unavailable(fresh_cluster):
     c = fresh_cluster(2, extra=["--log-format", "text"])
     with zen.Client(c.socket_dir(0), job="k", token=c.token("k")) as client:
@@ -124,6 +93,7 @@ def test_daemon_killed_mid_step_raises_daemon_unavailable(fresh_cluster):
             client.allreduce(torch.ones(4), name="w", timeout_s=30)
 
 
+@pytest.mark.daemon
 def test_gpt_example_same_loss_with_zen_and_with_ddp_gloo(cluster2):
     """Example (a), 4 ranks (2 nodes x 2), 50 steps, same seed: the loss at every step agrees."""
     from zend.cluster.local import LocalCluster
@@ -144,6 +114,7 @@ def test_gpt_example_same_loss_with_zen_and_with_ddp_gloo(cluster2):
     assert zen_losses[-1] < zen_losses[0] - 0.5  # it learns
 
 
+@pytest.mark.daemon
 def test_a_daemon_out_of_descriptors_refuses_one_request_with_out_of_resources_and_the_session_lives(
         fresh_cluster):  # type: ignore[no-untyped-def]
     """issue 14, item 6: an established trainer's next alloc hits EMFILE (the daemon's fd limit lowered
@@ -167,6 +138,7 @@ def test_a_daemon_out_of_descriptors_refuses_one_request_with_out_of_resources_a
     assert "the daemon is out of resources" in c.log_tail(0, 200) or "Too many open files" in c.log_tail(0, 200)
 
 
+@pytest.mark.daemon
 def test_all_tensor_kinds_over_threads_on_one_node(fresh_cluster):
     c = fresh_cluster(1, extra=["--log-format", "text"])
 
@@ -180,6 +152,7 @@ def test_all_tensor_kinds_over_threads_on_one_node(fresh_cluster):
     assert results[0] == results[1]
 
 
+@pytest.mark.daemon
 def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
     """Tensor fusion: tensors of one kind in one step, split back; the same as one step each."""
     def tensors(node: int) -> list[torch.Tensor]:
@@ -216,6 +189,7 @@ def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
         client.allreduce_many(tensors(0)[:2], names=["x", "x"])
 
 
+@pytest.mark.daemon
 def test_a_failed_bucket_comes_back_to_the_training_loop_typed():
     """DDP turns a hook's failure into a RuntimeError; HookState.reraise gives zen's typed error back."""
     script = (

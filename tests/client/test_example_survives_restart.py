@@ -11,7 +11,11 @@ import signal
 import subprocess
 import sys
 
-from tests.client.test_client import ROOT
+import pytest
+
+from tests.helpers import ROOT, poll_for
+
+pytestmark = pytest.mark.daemon
 
 ARGS = ["--launch", "--nodes", "2", "--trainers", "1", "--backend", "zen", "--steps", "8", "--dim", "16",
         "--layers", "1", "--heads", "2", "--context", "16", "--batch", "2", "--json"]
@@ -62,7 +66,6 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_a_sigterm_to_the_launcher_stops_every_agent_rank_and_daemon() -> None:
     """The agents run in sessions of their own; a `timeout` or a cancelled job must not orphan them."""
     import glob
-    import time
 
     before = set(glob.glob("/tmp/zen-gpt-*"))
     launcher = subprocess.Popen([sys.executable, str(ROOT / "examples/gpt_sparse.py"), *ARGS, "--steps", "100000",
@@ -75,10 +78,13 @@ def test_a_sigterm_to_the_launcher_stops_every_agent_rank_and_daemon() -> None:
         tmp = (set(glob.glob("/tmp/zen-gpt-*")) - before).pop()
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) != 0
-        deadline = time.monotonic() + 15
-        while (left := _processes_mentioning("424242") + _processes_mentioning(tmp)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left, left
+        def all_gone() -> bool:
+            left = _processes_mentioning("424242") + _processes_mentioning(tmp)
+            assert not left, left
+            return True
+
+        poll_for(all_gone, 15, "no agent, rank or daemon of the launcher left", interval_s=0.2,
+                 ignore=(AssertionError,))
     finally:  # SIGTERM: the launcher stops what it started (a SIGKILL would orphan its daemons and agents)
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)

@@ -14,8 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.client.test_client import ROOT, RankCrashed, launch_ranks
+from tests.helpers import ROOT, RankCrashed, launch_ranks
 from zend.cluster.local import LocalCluster
+
+pytestmark = pytest.mark.daemon
 
 STEPS = 50
 RTOL = 1e-4  # relative, per step: both sum the same fp32 gradients, in different orders

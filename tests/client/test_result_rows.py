@@ -17,6 +17,8 @@ from zen.distributed import ZenProcessGroup
 
 from zend.core.sparse import SparseGrad
 
+pytestmark = pytest.mark.inprocess
+
 ROWS = 10
 
 

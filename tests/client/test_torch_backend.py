@@ -16,7 +16,7 @@ import torch.distributed as dist
 import zen
 import zen.distributed as zd
 
-from tests.client.test_client import ROOT, launch_ranks
+from tests.helpers import ROOT, launch_ranks, poll_for
 from tests.subprocess_env import project_path, with_project
 from zend.cluster.local import LocalCluster, free_port
 
@@ -40,6 +40,7 @@ def clusters(tmp_path_factory):  # type: ignore[no-untyped-def]
 WORLDS = {1: (1, 1, "zen"), 2: (2, 1, "cpu:zen,cuda:zen"), 3: (3, 1, "zen"), 4: (2, 2, "cpu:zen,cuda:gloo")}
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("world", sorted(WORLDS))
 def test_torchs_own_sparse_reduce_cases_equal_the_expected_sums_and_gloos(clusters, world: int) -> None:
     """torch's simple_sparse_reduce_tests (num_inputs 1 and 2), AVG, fp16/bf16, int32 indices,
@@ -50,6 +51,7 @@ def test_torchs_own_sparse_reduce_cases_equal_the_expected_sums_and_gloos(cluste
     assert all(out.strip().endswith("OK") for out in outs), outs
 
 
+@pytest.mark.daemon
 def test_ddp_on_the_zen_backend_trains_as_ddp_on_gloo(clusters) -> None:
     """4 ranks on 2 nodes: a dense-only model and one with two same-shaped sparse embeddings, 5
     SGD steps each under plain DDP (no hook), parameters equal to DDP on a gloo group."""
@@ -57,6 +59,7 @@ def test_ddp_on_the_zen_backend_trains_as_ddp_on_gloo(clusters) -> None:
     assert all(out.strip().endswith("OK") for out in outs), outs
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("mode", ["ring", "topk"])
 def test_dense_buckets_through_zend_when_asked_train_as_gloo(clusters, mode: str) -> None:
     """ZEN_DENSE_ALLREDUCE=ring|topk (top-k of all values here): DDP's dense buckets go through
@@ -66,6 +69,7 @@ def test_dense_buckets_through_zend_when_asked_train_as_gloo(clusters, mode: str
     assert all(out.strip().endswith("OK") for out in outs), outs
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("scheme", ["auto", "zen", "hc", "agsparse", "omnireduce", "sparse_ps", "dense"])
 def test_two_tables_under_sparse_adam_train_as_on_gloo_whatever_the_scheme(tmp_path: Path, scheme: str) -> None:
     """A word2vec-like model (two same-shaped sparse tables, SparseAdam) under DDP on the zen backend,
@@ -87,11 +91,13 @@ def test_two_tables_under_sparse_adam_train_as_on_gloo_whatever_the_scheme(tmp_p
     assert all(t["steps"] == 10 for t in tensors), tensors
 
 
+@pytest.mark.daemon
 def test_ranks_calling_in_different_orders_get_out_of_order_naming_both_calls(clusters) -> None:
     outs = launch_ranks(clusters(2), [WORKER, "out_of_order"], "order", per_node=1, timeout_s=120)
     assert all("OUT_OF_ORDER_OK" in out for out in outs), outs
 
 
+@pytest.mark.daemon
 def test_a_lost_daemon_fails_work_wait_with_a_typed_error_within_the_peer_timeout(tmp_path: Path) -> None:
     from zend.cluster.launcher import rank_env
 
@@ -124,6 +130,7 @@ def test_a_lost_daemon_fails_work_wait_with_a_typed_error_within_the_peer_timeou
                 p.wait()
 
 
+@pytest.mark.inprocess
 def test_the_examples_default_backend_is_the_one_string_change() -> None:
     """examples/common.py's --backend zen is init_process_group("zen") and plain DDP: no hook."""
     source = (ROOT / "examples/common.py").read_text()
@@ -131,6 +138,7 @@ def test_the_examples_default_backend_is_the_one_string_change() -> None:
 
 
 # ------------------------------------------------------------------------------ in-process: pure helpers
+@pytest.mark.inprocess
 @pytest.mark.parametrize("shape,sparse_dims", [((7,), 1), ((4, 5), 2), ((3, 4, 5), 3), ((6, 2, 3), 1),
                                                ((5, 4, 2), 2)])
 def test_linearised_rows_round_trip_every_sparse_dim(shape: tuple[int, ...], sparse_dims: int) -> None:
@@ -143,6 +151,7 @@ def test_linearised_rows_round_trip_every_sparse_dim(shape: tuple[int, ...], spa
     assert torch.equal(back.to_dense(), dense)
 
 
+@pytest.mark.inprocess
 def test_options_and_hints_refuse_bad_values_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"Options\.dense='fast'"):
         zd.Options(dense="fast").dense_mode()
@@ -158,6 +167,7 @@ def test_options_and_hints_refuse_bad_values_by_name(monkeypatch: pytest.MonkeyP
     assert zd.name(torch.ones(1), "emb")._zen_name == "emb"
 
 
+@pytest.mark.inprocess
 def test_the_order_check_record_carries_a_digest_and_the_readable_name() -> None:
     a, b = zd._call_record("pg0.sparse1[5].float32.sum.cpu"), zd._call_record("pg0.sparse1[6].float32.sum.cpu")
     assert a.numel() == b.numel() == 128 and not torch.equal(a[:16], b[:16])
@@ -166,6 +176,7 @@ def test_the_order_check_record_carries_a_digest_and_the_readable_name() -> None
     assert zd._call_text(zd._call_record(long)) == long[:112]
 
 
+@pytest.mark.inprocess
 def test_work_wait_raises_the_typed_error_and_a_timeout_as_step_timeout() -> None:
     failed: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     failed.set_exception(zen.StepAborted("node 1 lost [ABORTED]"))
@@ -182,12 +193,14 @@ def test_work_wait_raises_the_typed_error_and_a_timeout_as_step_timeout() -> Non
     assert time.monotonic() - started < 2
 
 
+@pytest.mark.inprocess
 def test_the_backend_is_registered_on_import_zen() -> None:
     assert "zen" in dist.Backend.backend_list
     assert dist.Backend.backend_capability["zen"] == ["cpu", "cuda"]
     assert zen.__version__ and zen.__version__ != "0+unknown"
 
 
+@pytest.mark.daemon
 def test_init_without_a_daemon_names_the_socket(tmp_path: Path) -> None:
     """A rank whose node has no zend fails in init_process_group, saying where it looked."""
     code = ("import os, torch.distributed as dist, zen\n"
@@ -227,12 +240,14 @@ def _sparse(rows: list[int], n: int = 10) -> torch.Tensor:
     return torch.sparse_coo_tensor([rows], torch.ones(len(rows)), (n,))
 
 
+@pytest.mark.inprocess
 def test_one_name_runs_one_step_at_a_time_in_call_order_and_results_land_in_place() -> None:
     client = _BlockingClient()
     pg = _fake_group(client)
     a, b = _sparse([1]), _sparse([2, 3])
     work_a, work_b = pg.allreduce([a]), pg.allreduce([b])  # one name: b queues behind a
-    time.sleep(0.2)
+    poll_for(lambda: client.ran, 10, "a's step running")
+    time.sleep(0.2)  # the point: b, queued behind a, does not start meanwhile
     assert client.ran == ["pg7.sparse1[10].float32.sum.cpu"]  # only a's step is running
     client.release.set()
     assert work_a.wait() and work_b.wait()
@@ -241,11 +256,12 @@ def test_one_name_runs_one_step_at_a_time_in_call_order_and_results_land_in_plac
     pg.shutdown()
 
 
+@pytest.mark.inprocess
 def test_abort_fails_running_and_queued_work_with_step_aborted_at_once() -> None:
     client = _BlockingClient()
     pg = _fake_group(client)
     running, queued = pg.allreduce([_sparse([1])]), pg.allreduce([_sparse([2])])
-    time.sleep(0.1)
+    poll_for(lambda: client.ran, 10, "the first step running, the second queued behind it")
     started = time.monotonic()
     pg.abort()
     for work in (running, queued):
@@ -257,6 +273,7 @@ def test_abort_fails_running_and_queued_work_with_step_aborted_at_once() -> None
     client.release.set()
 
 
+@pytest.mark.inprocess
 def test_shutdown_waits_for_the_steps_queued_behind_others() -> None:
     import threading
 
@@ -268,6 +285,7 @@ def test_shutdown_waits_for_the_steps_queued_behind_others() -> None:
     assert first.wait() and second.wait() and len(client.ran) == 2
 
 
+@pytest.mark.inprocess
 def test_reraise_gives_the_typed_error_behind_ddps_runtime_error_and_drops_a_stale_one() -> None:
     client = _BlockingClient()
     pg = _fake_group(client)
@@ -281,6 +299,7 @@ def test_reraise_gives_the_typed_error_behind_ddps_runtime_error_and_drops_a_sta
     pg.shutdown()
 
 
+@pytest.mark.inprocess
 def test_dense_topk_keeps_one_residual_per_tensor_storage_under_one_name() -> None:
     client = _BlockingClient()
     client.release.set()
@@ -298,6 +317,7 @@ def test_dense_topk_keeps_one_residual_per_tensor_storage_under_one_name() -> No
     pg.shutdown()
 
 
+@pytest.mark.inprocess
 def test_sparse_tensors_zen_cannot_carry_go_through_gloo_with_the_same_sum() -> None:
     client = _BlockingClient()
     pg = _fake_group(client)

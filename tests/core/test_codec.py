@@ -15,6 +15,8 @@ from zend.core.codec import (
     read_header,
 )
 
+pytestmark = pytest.mark.inprocess
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

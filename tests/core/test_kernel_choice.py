@@ -6,9 +6,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 from zend.core import kernels
+
+pytestmark = pytest.mark.inprocess
 
 ROOT = Path(__file__).resolve().parents[2]
 

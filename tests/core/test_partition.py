@@ -13,6 +13,8 @@ from zend.core.schemes.base import imbalance
 from zend.core.sparse import SparseGrad
 from zend.simulator.traces import TokenTrace
 
+pytestmark = pytest.mark.inprocess
+
 
 def test_hash_is_seeded_and_in_range():
     x = torch.arange(100_000)

@@ -20,6 +20,8 @@ from zend.core.partition import ZenPartitioner
 from zend.core.sparse import NonFinitePolicy
 from zend.transport.inproc import InProcessCluster
 
+pytestmark = pytest.mark.inprocess
+
 N, ROWS, SEED, HOSTILE = 3, 100, 7, 2  # 100 rows in blocks of 3: the last block holds row 99 alone
 Rewrite = Callable[[torch.Tensor], torch.Tensor]
 

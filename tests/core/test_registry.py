@@ -8,6 +8,8 @@ import pytest
 from zend.core import SCHEMES, costmodel
 from zend.core.schemes import auto
 
+pytestmark = pytest.mark.inprocess
+
 PROFILES = [
     costmodel.Profile(world_size=8, num_rows=50_000, row_bytes=256, mean_rows=1_000.0, union_rows=5_000.0),
     costmodel.Profile(world_size=4, num_rows=1_000, row_bytes=32, mean_rows=900.0, union_rows=1_000.0),

@@ -9,6 +9,8 @@ from tests.core.helpers import assert_close_to, reference_sum, run_scheme
 from zend.core import SCHEMES, SparseGrad
 from zend.core.schemes.auto import AutoScheme
 
+pytestmark = pytest.mark.inprocess
+
 ALL = sorted(SCHEMES)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -6,6 +6,8 @@ from torch import nn
 
 from zend.core import SparseGrad, SparseGradError, TopKCompressor, from_dense, from_torch_sparse
 
+pytestmark = pytest.mark.inprocess
+
 
 def embedding_grad(ids: list[int], rows: int = 50, dim: int = 4) -> torch.Tensor:
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from tests.helpers import poll_for
 from zend.cluster.local import free_port
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
@@ -192,14 +193,10 @@ class PrometheusServer:
 
     def wait_for(self, expr: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Poll `expr` until its result is non-empty; a bad expression raises at once."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            result = self.query(expr)
-            if result:
-                return result
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(min(self.scrape_interval_s / 2, 0.5))
+        try:
+            return poll_for(lambda: self.query(expr), timeout_s, expr, interval_s=min(self.scrape_interval_s / 2, 0.5))
+        except AssertionError:
+            pass
         health = "\n".join(f"  {t.get('scrapeUrl')}: health={t.get('health')} lastError={t.get('lastError')!r} "
                            f"lastScrape={t.get('lastScrape')}" for t in self.target_health()) or "  (no active targets)"
         raise AssertionError(f"Prometheus query {expr!r} stayed empty for {timeout_s:g}s; targets:\n{health}")

@@ -24,12 +24,14 @@ import pytest
 import torch
 
 import zend.protocol.session as session_module
-from tests.daemon.conftest import run_all
+from tests.helpers import run_all
 from tests.subprocess_env import project_path
 from zend.buffers import BufferClient, SharedBufferError, wire
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
+
+pytestmark = pytest.mark.daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534  # the daemon, its honest trainer and the attacker all run as this uid in the /proc test

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from tests.daemon.conftest import run_all, status_code, status_details
+from tests.helpers import node_status, poll_for, random_grad, run_all, status_code, status_details, steps_in_flight
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
@@ -23,13 +24,7 @@ from zend.protocol.session import TrainerSession
 from zend.protocol.step import StepFailed
 
 
-def random_grad(rows: int, dim: int, seed: int, dtype: torch.dtype = torch.float32) -> SparseGrad:
-    g = torch.Generator().manual_seed(seed)
-    nnz = int(torch.randint(0, rows // 2, (1,), generator=g))
-    idx = torch.randint(0, rows, (nnz,), generator=g)  # duplicates on purpose: the daemon coalesces
-    return SparseGrad(idx, torch.randn(nnz, dim, generator=g).to(dtype), rows)
-
-
+@pytest.mark.daemon
 def test_four_nodes_two_trainer_processes_each_get_the_reference_sum(cluster4):
     """8 trainer processes (zend.cluster.workload) push real-trace gradients; each checks every step's sum."""
     procs = []
@@ -52,6 +47,7 @@ def test_four_nodes_two_trainer_processes_each_get_the_reference_sum(cluster4):
         assert len(lines) == 3 and all('"ok": true' in line for line in lines), out
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize(("dtype", "dense", "average"), [(torch.float16, False, True), (torch.bfloat16, False, False),
                                                           (torch.float32, True, True)])
 def test_every_dtype_dense_layout_and_average(cluster4, dtype, dense, average):
@@ -89,6 +85,7 @@ def _one_trainer_per_node(cluster, job, body, nodes=4):  # type: ignore[no-untyp
     return run_all([lambda n=n: run(n) for n in range(nodes)])
 
 
+@pytest.mark.daemon
 def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(cluster4):
     def body(node, link):  # type: ignore[no-untyped-def]
         h = link.register("emb", (100, 16 if node == 2 else 8))
@@ -100,6 +97,7 @@ def test_nodes_that_describe_a_tensor_differently_all_get_invalid_argument(clust
         assert "node 2 has shape=[100, 16] but node 0 has shape=[100, 8]" in status_details(r)
 
 
+@pytest.mark.daemon
 def test_steps_by_grpc_and_on_the_buffer_socket_are_the_same_step(cluster4):
     """Half the nodes submit by gRPC, half on the socket: one sum, the same bits; errors alike."""
     def body(node, link):  # type: ignore[no-untyped-def]
@@ -128,6 +126,7 @@ def _session(cluster, node=0, job="bad", local_world_size=1):  # type: ignore[no
     return TrainerSession(cluster.socket_dir(node), job, cluster.token(job), 0, local_world_size, timeout_s=10)
 
 
+@pytest.mark.daemon
 def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4):
     link = _session(cluster4)
     try:
@@ -190,7 +189,10 @@ def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(os.path.join(cluster4.socket_dir(0), name))
             s.sendall(os.urandom(4096))
-            time.sleep(0.2)
+            s.settimeout(5)
+            with contextlib.suppress(OSError):  # until the daemon drops it (or 5 s: it may wait for more)
+                while s.recv(4096):
+                    pass
     results = _one_trainer_per_node(cluster4, "after-garbage", lambda node, link: link.allreduce(
         link.register("emb", (50, 2)), random_grad(50, 2, node), 0).to_dense())
     ref = sum(random_grad(50, 2, n).to_dense() for n in range(4))
@@ -199,6 +201,7 @@ def test_bad_requests_get_their_status_and_a_message_naming_the_problem(cluster4
         torch.testing.assert_close(r, ref)
 
 
+@pytest.mark.daemon
 def test_a_session_never_connected_expires_and_frees_its_local_rank(fresh_cluster):
     """A trainer that died between OpenSession and its buffer connection must not hold its rank forever."""
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
@@ -216,24 +219,28 @@ def test_a_session_never_connected_expires_and_frees_its_local_rank(fresh_cluste
         # the same process again (its first reply never reached it): it replaces the session it never claimed
         stub.OpenSession(open_rank0, metadata=md, timeout=10)
         open_rank0 = pb.OpenSessionRequest(job_id="orphan", local_rank=0, local_world_size=1, pid=3)
-        deadline = time.monotonic() + 15
-        while True:  # expired after about 1 s (checked every 0.5 s)
+
+        def reopened() -> bool:
             try:
                 again = stub.OpenSession(open_rank0, metadata=md, timeout=10)
-                stub.CloseSession(pb.CloseSessionRequest(session_id=again.session_id), metadata=md, timeout=10)
-                break
             except grpc.RpcError as exc:
-                assert exc.code().name == "FAILED_PRECONDITION" and time.monotonic() < deadline, exc.details()
-                time.sleep(0.2)
+                assert exc.code().name == "FAILED_PRECONDITION", exc.details()
+                return False
+            stub.CloseSession(pb.CloseSessionRequest(session_id=again.session_id), metadata=md, timeout=10)
+            return True
+
+        # expired after about 1 s (checked every 0.5 s)
+        poll_for(reopened, 15, "local rank 0 free again once the unconnected session expired", interval_s=0.2)
     assert "session_expired" in c.log_path(0).read_text()
     link = _session(c, job="orphan")  # a trainer that does connect keeps its session past the timeout
     try:
-        time.sleep(2.0)
+        time.sleep(2.0)  # the point: past the 1 s claim timeout, the connected session is still there
         assert link.allreduce(link.register("emb", (10, 2)), random_grad(10, 2, 0), 0).to_dense().shape == (10, 2)
     finally:
         link.close()
 
 
+@pytest.mark.daemon
 def test_deadline_exceeded_when_a_local_trainer_never_submits(cluster4):
     with _session(cluster4, job="late", local_world_size=2) as link:
         h = link.register("emb", (10, 2))
@@ -244,6 +251,7 @@ def test_deadline_exceeded_when_a_local_trainer_never_submits(cluster4):
         assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.daemon
 def test_repeated_submission_returns_the_same_result(cluster4):
     def body(node, link):  # type: ignore[no-untyped-def]
         h = link.register("emb", (40, 2))
@@ -255,6 +263,7 @@ def test_repeated_submission_returns_the_same_result(cluster4):
         torch.testing.assert_close(first, again)
 
 
+@pytest.mark.daemon
 def test_status_reports_peers_sessions_and_tensors(cluster4):
     run = subprocess.run([sys.executable, "-m", "zend", "status", "--json", "--socket-dir", cluster4.socket_dir(1)],
                          capture_output=True, text=True, timeout=60, env=cluster4.env)  # the secret: the full view
@@ -268,6 +277,7 @@ def test_status_reports_peers_sessions_and_tensors(cluster4):
     assert any(t["name"] == "wte" and t["steps"] >= 1 for t in status["tensors"])
 
 
+@pytest.mark.daemon
 def test_status_and_health_find_the_daemon_through_zen_socket_dir(cluster4):
     """The one variable the client reads too; the old ZEND_SOCKET_DIR still works, with a deprecation line."""
     env = {k: v for k, v in os.environ.items() if k not in ("ZEN_SOCKET_DIR", "ZEND_SOCKET_DIR")}
@@ -292,6 +302,7 @@ def _bearer(token: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")]
 
 
+@pytest.mark.daemon
 def test_the_operator_api_needs_the_operator_token_and_undrain_restores_serving(fresh_cluster):
     """Over --grpc-listen (TCP) and the unix socket: Status without the operator token names no job, tensor,
     pid or address; Drain with a wrong or no token is UNAUTHENTICATED and changes nothing; with the token it
@@ -353,6 +364,7 @@ def test_the_operator_api_needs_the_operator_token_and_undrain_restores_serving(
     assert "operator call refused" in c.log_path(0).read_text()
 
 
+@pytest.mark.daemon
 def test_the_trainer_service_is_on_tcp_only_when_enabled(fresh_cluster):
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
     from zend.cluster.local import free_port
@@ -376,6 +388,7 @@ def test_the_trainer_service_is_on_tcp_only_when_enabled(fresh_cluster):
     assert "Trainer service is served on TCP" not in default.log_path(0).read_text()
 
 
+@pytest.mark.daemon
 def test_a_killed_peer_daemon_aborts_the_step_for_every_trainer_in_bounded_time(fresh_cluster):
     c = fresh_cluster(4, extra=["--peer-timeout-s", "5", "--step-timeout-s", "60", "--log-format", "text"])
     start = time.monotonic()
@@ -384,7 +397,7 @@ def test_a_killed_peer_daemon_aborts_the_step_for_every_trainer_in_bounded_time(
         with TrainerSession(c.socket_dir(node), "j", c.token("j"), 0, 1, timeout_s=60) as link:
             h = link.register("emb", (100, 4))
             if node == 3:
-                time.sleep(1.0)
+                poll_for(lambda: all(steps_in_flight(c, n) for n in range(3)), 20, "the step open on nodes 0-2")
                 c.kill(3, signal.SIGKILL)  # mid-step: nodes 0-2 are waiting for node 3's messages
                 return None
             return link.allreduce(h, random_grad(100, 4, node), 0)
@@ -396,6 +409,7 @@ def test_a_killed_peer_daemon_aborts_the_step_for_every_trainer_in_bounded_time(
     assert elapsed < 20, f"took {elapsed:.1f} s"
 
 
+@pytest.mark.daemon
 def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cluster):
     c = fresh_cluster(1, extra=["--log-format", "text"])
     script = (
@@ -417,7 +431,7 @@ def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cl
                 return partner.allreduce(h, random_grad(1000, 64, 1), 0)
 
             def kill():  # type: ignore[no-untyped-def]
-                time.sleep(0.5)
+                poll_for(lambda: steps_in_flight(c, 0), 10, "the partner's step open, waiting for the victim")
                 victim.kill()
 
             t0 = time.monotonic()
@@ -425,9 +439,7 @@ def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cl
             assert status_code(result) == "ABORTED" and "disconnected" in status_details(result)
             assert time.monotonic() - t0 < 10
             mine = h.result.nbytes + h.input.nbytes  # what the partner still holds
-            deadline = time.monotonic() + 10
-            while pool_bytes(c, 0) > mine and time.monotonic() < deadline:
-                time.sleep(0.1)
+            poll_for(lambda: pool_bytes(c, 0) <= mine, 10, "the victim's buffers freed")
             assert pool_bytes(c, 0) == mine
     finally:
         victim.kill()
@@ -435,12 +447,10 @@ def test_a_killed_trainer_frees_its_buffers_and_fails_its_partners_step(fresh_cl
 
 
 def pool_bytes(cluster, node: int) -> int:  # type: ignore[no-untyped-def]
-    from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(f"unix:{os.path.join(cluster.socket_dir(node), 'zend.sock')}") as ch:
-        return int(pb_grpc.OperatorStub(ch).Status(pb.StatusRequest(), timeout=10).buffer_pool_bytes)
+    return int(node_status(cluster, node).buffer_pool_bytes)
 
 
+@pytest.mark.daemon
 def test_bad_config_and_a_port_that_will_not_bind_fail_at_once(tmp_path):
     env = {**os.environ, "ZEN_CLUSTER_SECRET": "x" * 32}
     run = subprocess.run([sys.executable, "-m", "zend", "serve", "--scheme", "magic"], capture_output=True,
@@ -470,6 +480,7 @@ def _sum_on_every_node(cluster, nodes, job="j"):  # type: ignore[no-untyped-def]
         torch.testing.assert_close(r, ref)
 
 
+@pytest.mark.daemon
 def test_rendezvous_through_torch_tcpstore(fresh_cluster):
     c = fresh_cluster(3, rendezvous=True, extra=["--log-format", "text"])
     _sum_on_every_node(c, 3)
@@ -501,6 +512,7 @@ class TorchrunEnvCluster(LocalCluster):
         super().start_node(node)
 
 
+@pytest.mark.daemon
 def test_rendezvous_env_takes_torchruns_node_level_variables(tmp_path):
     with TorchrunEnvCluster(2, tmp_path, extra=["--log-format", "text"]) as c:
         _sum_on_every_node(c, 2)
@@ -509,6 +521,7 @@ def test_rendezvous_env_takes_torchruns_node_level_variables(tmp_path):
         assert f'"membership": "rendezvous tcpstore://127.0.0.1:{c.port}' in run.stdout, run.stdout
 
 
+@pytest.mark.daemon
 def test_ucx_data_plane_between_daemons(fresh_cluster):
     pytest.importorskip("ucxx", reason="ucxx-cu12 is installed by `make` (extra 'ucx')")
     c = fresh_cluster(2, transport="ucx", extra=["--log-format", "text"], env={"UCX_TLS": "tcp"})
@@ -518,7 +531,7 @@ def test_ucx_data_plane_between_daemons(fresh_cluster):
     assert '"transport": "ucx"' in run.stdout and '"tcp"' in run.stdout, run.stdout
     # an idle daemon sleeps: UCX's blocking progress mode kept a core busy polling its links
     before = [_cpu_seconds(p.pid) for p in c.procs.values()]
-    time.sleep(3.0)
+    time.sleep(3.0)  # the point: the idle window measured
     used = [_cpu_seconds(p.pid) - b for p, b in zip(c.procs.values(), before, strict=True)]
     assert max(used) < 1.0, f"idle daemons used {used} CPU seconds in 3 s"
 
@@ -528,15 +541,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@pytest.mark.daemon
 def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):
     c = fresh_cluster(2, extra=["--log-format", "text", "--drain-timeout-s", "20"])
 
     def node0(node, link):  # type: ignore[no-untyped-def]
         h = link.register("emb", (64, 4))
         if node == 1:
-            time.sleep(1.0)  # node 0's step is now in flight, waiting for node 1
+            poll_for(lambda: steps_in_flight(c, 0), 20, "node 0's step in flight, waiting for node 1")
             os.kill(c.procs[0].pid, signal.SIGTERM)
-            time.sleep(0.5)  # node 0 is draining: it refuses new steps, finishes this one
+            # node 0 is draining: it refuses new steps, finishes this one
+            poll_for(lambda: node_status(c, 0).draining, 20, "node 0 draining", ignore=(grpc.RpcError,))
         return link.allreduce(h, random_grad(64, 4, node), 0).to_dense()
 
     t0 = time.monotonic()
@@ -551,6 +566,7 @@ def test_sigterm_drains_the_step_in_flight_then_stops(fresh_cluster):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.netns
 def test_zend_cluster_in_emulated_network_namespaces():
     from zend.cluster.netns import available
 
@@ -566,6 +582,7 @@ def test_zend_cluster_in_emulated_network_namespaces():
     assert "zen" not in leftover, leftover
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("scheme", ["dense", "auto"])
 def test_every_node_gets_exactly_the_rows_sent_whatever_the_scheme(fresh_cluster, scheme):
     """Two nodes x two trainers send rows {0, 3, 5} / {3} and {7} / {} of an 8-row tensor (row 3 sums
@@ -595,6 +612,7 @@ def test_every_node_gets_exactly_the_rows_sent_whatever_the_scheme(fresh_cluster
             assert out.values[:, 0].tolist() == [1.0, 0.0, 1.0, 5.0]
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("dense", [False, True])
 def test_buffers_that_show_writes_only_once_published_still_give_every_trainer_the_sum(fresh_cluster, monkeypatch,
                                                                                        dense):

@@ -19,15 +19,16 @@ import grpc
 import pytest
 import torch
 
-from tests.daemon.conftest import run_all
+from tests.helpers import poll_for, run_all, steps_in_flight
 from zend.api.zen.v1 import zen_pb2 as pb
-from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import SharedBufferError, wire
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol.health import health_status
 from zend.protocol.session import TrainerSession
 from zend.protocol.step import StepFailed
+
+pytestmark = pytest.mark.daemon
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,20 +41,6 @@ def grad(rows: int, dim: int, seed: int) -> SparseGrad:
 
 def threads_of(c: LocalCluster, node: int = 0) -> int:
     return len(os.listdir(f"/proc/{c.procs[node].pid}/task"))
-
-
-def steps_in_flight(c: LocalCluster) -> int:
-    with grpc.insecure_channel(f"unix:{os.path.join(c.socket_dir(0), 'zend.sock')}") as ch:
-        reply = pb_grpc.OperatorStub(ch).Status(pb.StatusRequest(), timeout=5, metadata=(
-            ("authorization", f"Bearer {c.operator_token()}"),))
-    return int(reply.steps_in_flight)
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def two_trainers_sum(c: LocalCluster, job: str, steps: int = 2) -> None:
@@ -116,7 +103,7 @@ def test_waiting_submits_hold_no_grpc_thread_health_and_other_jobs_go_on(fresh_c
                 session_id=stuck.session_id, tensor_id=h.tensor_id, step=0, nnz=0,
                 input=pb.BufferRef(buffer_id=empty.buffer_id), result=pb.BufferRef(buffer_id=h.result.buffer_id)),
                 metadata=stuck.metadata, timeout=60))
-        wait_until(lambda: steps_in_flight(c) == waiting, 20, f"{waiting} steps waiting in the daemon")
+        poll_for(lambda: steps_in_flight(c, 0) == waiting, 20, f"{waiting} steps waiting in the daemon")
         assert not any(call.done() for call in calls)
 
         for _ in range(5):
@@ -143,7 +130,7 @@ def test_waiting_submits_hold_no_grpc_thread_health_and_other_jobs_go_on(fresh_c
         for call in calls:
             call.cancel()
         stuck.close()
-    wait_until(lambda: steps_in_flight(c) == 0, 10, "the abandoned steps gone")  # cancelled: nothing is left
+    poll_for(lambda: steps_in_flight(c, 0) == 0, 10, "the abandoned steps gone")  # cancelled: nothing is left
     two_trainers_sum(c, "stuck")  # the job's quota is whole again
 
 
@@ -165,11 +152,18 @@ def flood(request: pytest.FixtureRequest) -> Iterator[Callable[[str, int], subpr
         proc.wait()
 
 
-def look(proc: subprocess.Popen[str]) -> dict[str, Any]:
+def look(proc: subprocess.Popen[str], command: str = "look") -> dict[str, Any]:
+    """What the flood's connections got since its last look (`peek`: since the start, nothing marked seen)."""
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write("look\n")
+    proc.stdin.write(command + "\n")
     proc.stdin.flush()
     return json.loads(proc.stdout.readline())  # type: ignore[no-any-return]
+
+
+def answered(proc: subprocess.Popen[str]) -> int:
+    """How many of the flood's connections the daemon has answered (a message, or closed)."""
+    seen = look(proc, "peek")
+    return int(seen["closed"]) + sum(seen["errors"].values())
 
 
 def test_idle_connections_to_buffers_sock_get_no_thread_each_and_an_honest_trainer_gets_in(fresh_cluster, flood):
@@ -177,7 +171,7 @@ def test_idle_connections_to_buffers_sock_get_no_thread_each_and_an_honest_train
     path = os.path.join(c.socket_dir(0), "buffers.sock")
     before = threads_of(c)
     attacker = flood(path, 2000)
-    time.sleep(0.5)
+    poll_for(lambda: answered(attacker) >= 2000 - 64, 30, "the daemon's answers to the connections past 64")
     seen = look(attacker)
     assert seen["silent"] == 64 and seen["closed"] == 0, seen  # one process: 64 connections at most
     message = (f"connection refused: process {attacker.pid} holds 64 connections to the buffer socket, its "
@@ -220,7 +214,7 @@ def test_a_silent_connection_is_cut_at_the_hello_deadline_and_a_full_socket_spar
         h = steady.register("emb", (100, 4))
         steady.allreduce(h, grad(100, 4, 0), 0)  # its buffer and step connections are up
         attacker = flood(path, 100)
-        time.sleep(0.3)
+        poll_for(lambda: answered(attacker) >= 100 - 38, 30, "the daemon's answers to the connections past 40")
         seen = look(attacker)
         assert seen["silent"] == 40 - 2 and set(seen["errors"]) == {
             "connection refused: the daemon serves 40 connections on its buffer socket, its limit "
@@ -232,7 +226,8 @@ def test_a_silent_connection_is_cut_at_the_hello_deadline_and_a_full_socket_spar
             s.connect(path)
             s.settimeout(5)
             assert "max_buffer_connections 40" in str(wire.recv_message(s).body["error"])
-        time.sleep(1.6)  # the flood's connections never said hello: cut
+        # the flood's connections never said hello: cut at the 1 s deadline (within the 1.6 s once slept here)
+        poll_for(lambda: look(attacker, "peek")["silent"] == 0, 1.6, "the silent connections cut")
         seen = look(attacker)
         assert seen["silent"] == 0 and seen["errors"] == {"no hello within 1 s: connection closed": 38}, seen
         two_trainers_sum(c, "late")

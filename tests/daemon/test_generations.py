@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from zend.daemon.generations import Regenerate, Stay, View, decide, may_stand
 from zend.daemon.membership import Membership
+
+pytestmark = pytest.mark.inprocess
 
 
 def view(**change: object) -> View:

@@ -6,8 +6,9 @@ import json
 import logging
 import re
 
-from tests.daemon.conftest import run_all
-from tests.daemon.test_daemon import random_grad
+import pytest
+
+from tests.helpers import random_grad, run_all
 from zend.daemon.logs import JsonFormatter, TextFormatter
 from zend.protocol.session import TrainerSession
 
@@ -18,6 +19,7 @@ def record(**fields: object) -> logging.LogRecord:
     return r
 
 
+@pytest.mark.inprocess
 def test_text_log_lines_carry_the_events_fields():
     line = TextFormatter().format(record(event="step_failed", code="ABORTED", step=7,
                                          error="peer 1 left: step 7 aborted"))
@@ -28,6 +30,7 @@ def test_text_log_lines_carry_the_events_fields():
     assert as_json["code"] == "ABORTED" and as_json["step"] == 7 and as_json["msg"] == "step failed"
 
 
+@pytest.mark.inprocess
 def test_a_text_traceback_stays_below_the_fields():
     try:
         raise ValueError("boom")
@@ -40,6 +43,7 @@ def test_a_text_traceback_stays_below_the_fields():
     assert head.endswith("code=INTERNAL") and "ValueError: boom" in rest
 
 
+@pytest.mark.daemon
 def test_steps_log_nothing_at_info(fresh_cluster):
     c = fresh_cluster(2, extra=["--log-format", "text", "--log-level", "info", "--scheme", "zen"])
 
@@ -57,6 +61,7 @@ def test_steps_log_nothing_at_info(fresh_cluster):
     assert any("session opened" in line and "job=logs" in line for line in lines), lines[-10:]
 
 
+@pytest.mark.inprocess
 def test_a_taken_metrics_port_is_named():
     import socket
 

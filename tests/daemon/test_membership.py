@@ -184,6 +184,7 @@ def commands(ranks: list[int], world_size: int, timeout_s: float, **per_rank: An
 # --- static membership ---------------------------------------------------------------------------
 
 
+@pytest.mark.inprocess
 def test_static_membership_is_validated_and_complete() -> None:
     m = static_membership(2, 4, PEERS, cluster_id="c1", agreed={"hash_seed": 1}, generation=3)
     assert m.peers == dict(enumerate(PEERS))
@@ -191,6 +192,7 @@ def test_static_membership_is_validated_and_complete() -> None:
     assert m.agreed == {"hash_seed": 1, "protocol_version": PROTOCOL_VERSION}
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize(("change", "expected"), [
     ({"world_size": 0, "peers": []}, "world_size=0"),
     ({"rank": 4}, "rank=4"),
@@ -220,6 +222,7 @@ ENV = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "GROUP_WORLD_SIZE": "4
        "WORLD_SIZE": "16", "RANK": "13"}  # torchrun's, on node 3 of 4 with 4 trainers each
 
 
+@pytest.mark.inprocess
 def test_from_environment_reads_node_level_variables_and_a_port_of_its_own() -> None:
     assert from_environment(ENV) == ("10.0.0.1", 7001, 4, 3)  # not RANK/WORLD_SIZE (per process), not MASTER_PORT
     assert from_environment({**ENV, "ZEN_RENDEZVOUS_PORT": "7101", "ZEN_NODE_RANK": "1"}) == ("10.0.0.1", 7101, 4, 1)
@@ -229,6 +232,7 @@ def test_from_environment_reads_node_level_variables_and_a_port_of_its_own() -> 
     assert from_environment(indexed_job) == ("job-0.svc", 7001, 8, 5)
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize(("change", "expected"), [
     ({"GROUP_RANK": None}, "ZEN_NODE_RANK / GROUP_RANK / NODE_RANK / PET_NODE_RANK / JOB_COMPLETION_INDEX (not set); "
                            "RANK and WORLD_SIZE are set, but under torchrun they count trainer processes"),
@@ -250,6 +254,7 @@ def test_from_environment_errors_name_the_variable(change: dict[str, str | None]
 # --- agreement and a one-rank rendezvous, in this process ----------------------------------------
 
 
+@pytest.mark.inprocess
 def test_check_agreement_names_key_rank_and_both_values() -> None:
     check_agreement({0: {"a": 1}, 1: {"a": 1}})
     with pytest.raises(MembershipError) as info:
@@ -260,6 +265,7 @@ def test_check_agreement_names_key_rank_and_both_values() -> None:
     assert "rank 2 has a=2 but rank 0 has a=1" in message
 
 
+@pytest.mark.inprocess
 def test_one_rank_rendezvous_hosts_and_closes_its_store() -> None:
     port = free_port()
     for _ in range(2):  # the port is free again: the store was closed, and a fresh one starts at 1
@@ -271,6 +277,7 @@ def test_one_rank_rendezvous_hosts_and_closes_its_store() -> None:
         assert m.source == f"rendezvous tcpstore://127.0.0.1:{port}"
 
 
+@pytest.mark.inprocess
 def test_rendezvous_checks_its_arguments_before_the_network() -> None:
     with pytest.raises(MembershipError, match="rank 1 my_uri: transport URI 'tcp://nowhere'"):
         rendezvous("127.0.0.1", 1, 1, 2, "tcp://nowhere", cluster_id="c", agreed={}, secret=SECRET)
@@ -283,6 +290,7 @@ def test_rendezvous_checks_its_arguments_before_the_network() -> None:
 # --- rendezvous across processes -----------------------------------------------------------------
 
 
+@pytest.mark.daemon
 def test_four_ranks_agree_on_peers_and_generation(ranks: RankProcesses) -> None:
     results = ranks.run(commands([0, 1, 2, 3], 4, timeout_s=20), wait_s=40)
     errors = {i: r["message"] for i, r in results.items() if "error" in r}
@@ -298,6 +306,7 @@ def test_four_ranks_agree_on_peers_and_generation(ranks: RankProcesses) -> None:
         assert view["source"].startswith("rendezvous tcpstore://127.0.0.1:")
 
 
+@pytest.mark.daemon
 def test_settings_mismatch_is_refused_on_every_rank(ranks: RankProcesses) -> None:
     cmds = commands([0, 1, 2, 3], 4, timeout_s=20, agreed={2: {"hash_seed": 7, "scheme": "zen"}})
     results = ranks.run(cmds, wait_s=40)
@@ -306,6 +315,7 @@ def test_settings_mismatch_is_refused_on_every_rank(ranks: RankProcesses) -> Non
         assert "rank 2 has hash_seed=7 but rank 0 has hash_seed=1" in result["message"], (i, result)
 
 
+@pytest.mark.daemon
 def test_duplicate_uri_is_refused(ranks: RankProcesses) -> None:
     uri = "tcp://127.0.0.1:7200"
     results = ranks.run(commands([0, 1], 2, timeout_s=20, uri={0: uri, 1: uri}), wait_s=40)
@@ -314,6 +324,7 @@ def test_duplicate_uri_is_refused(ranks: RankProcesses) -> None:
         assert "rank 0 and rank 1 both use data-plane address 127.0.0.1:7200" in result["message"], (i, result)
 
 
+@pytest.mark.daemon
 def test_missing_rank_times_out_naming_it(ranks: RankProcesses) -> None:
     timeout_s = 3.0
     results = ranks.run(commands([0, 1, 2], 4, timeout_s=timeout_s), wait_s=30)
@@ -325,6 +336,7 @@ def test_missing_rank_times_out_naming_it(ranks: RankProcesses) -> None:
         assert result["elapsed"] < timeout_s + 3, (i, result)
 
 
+@pytest.mark.daemon
 def test_missing_rank_0_times_out_naming_it(ranks: RankProcesses) -> None:
     timeout_s = 2.0
     result = ranks.run(commands([1], 2, timeout_s=timeout_s), wait_s=30)[0]
@@ -333,6 +345,7 @@ def test_missing_rank_0_times_out_naming_it(ranks: RankProcesses) -> None:
     assert result["elapsed"] < timeout_s + 2, result
 
 
+@pytest.mark.daemon
 def test_two_processes_claiming_one_rank_are_refused(ranks: RankProcesses) -> None:
     results = ranks.run(commands([0, 1, 1], 3, timeout_s=2.0), wait_s=30)
     taken = [r for r in results.values() if "rank 1 is already taken" in r.get("message", "")]

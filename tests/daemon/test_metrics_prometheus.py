@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
-from tests.daemon.test_daemon import random_grad
+from tests.helpers import poll_for, random_grad, run_all
 from zend.daemon.jobs import job_key, tensor_id
 from zend.protocol.session import TrainerSession
 from zend.protocol.step import StepFailed
 
-pytestmark = pytest.mark.skipif(prometheus_binary() is None,
+pytestmark = [pytest.mark.daemon, pytest.mark.skipif(prometheus_binary() is None,
                                 reason="needs the prometheus server binary (Debian package 'prometheus'; "
-                                       ".ci/run installs it)")
+                                       ".ci/run installs it)")]
 
 KEY_SERIES = [
     "zen_step_duration_seconds_count > 0",
@@ -63,14 +61,14 @@ def test_prometheus_scrapes_every_key_series(fresh_cluster, tmp_path):
     assert all(r is None for r in run_all([lambda n=n: trainer(n) for n in range(2)]))
     targets = [f"127.0.0.1:{p}" for p in c.metrics_ports]
     with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5, bearer_token=c.operator_token()) as prom:
-        for expr in KEY_SERIES:
-            deadline = time.monotonic() + 30
-            while True:  # until both daemons have been scraped
-                instances = {r["metric"].get("instance") for r in prom.wait_for(expr, timeout_s=30)}
-                if instances == set(targets) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.25)
+        def scraped_from_both(expr: str) -> bool:
+            instances = {r["metric"].get("instance") for r in prom.wait_for(expr, timeout_s=30)}
             assert instances == set(targets), f"{expr}: only {instances}"
+            return True
+
+        for expr in KEY_SERIES:  # until both daemons have been scraped
+            poll_for(lambda e=expr: scraped_from_both(e), 30, f"{expr} from both daemons", interval_s=0.25,
+                     ignore=(AssertionError,))
 
     # the phases of a step add up to it: with one trainer per node, their sums fall within the
     # trainers' end-to-end step time (submit to result delivered), and no "total" phase double-counts

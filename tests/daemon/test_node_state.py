@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from zend.daemon import errors as codes
 from zend.daemon import node_state as ns
 
+pytestmark = pytest.mark.inprocess
+
 EVENTS: dict[str, Callable[[], ns.Event]] = {
     "joined": lambda: ns.joined, "changing": lambda: ns.changing("a node waits to join"),
     "changed": lambda: ns.changed, "drain": lambda: ns.drain(), "final drain": lambda: ns.drain(final=True),

@@ -16,14 +16,18 @@ from tests.core.helpers import assert_close_to, reference_sum
 from zend.core import SCHEMES, SparseGrad, make_scheme
 from zend.core.comm import Communicator
 from zend.daemon import errors as codes
+from zend.daemon import node_state
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import JobRegistry, Session
 from zend.daemon.metrics import DaemonMetrics
+from zend.daemon.node_state import NodeStateHolder
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.layout import TensorSpec
 from zend.protocol.step import BufferRef, StepRequest
 from zend.transport.inproc import InProcessCluster
+
+pytestmark = pytest.mark.inprocess
 
 SECRET = b"in-process-node-step-secret"
 JOB = "job"
@@ -212,16 +216,28 @@ def test_a_trainer_that_leaves_fails_its_partners_step_at_once() -> None:
 def test_steps_are_refused_until_the_node_has_joined_and_after_it_drains() -> None:
     metrics = DaemonMetrics(0)
     registry = JobRegistry(SECRET)
-    steps = TrainerSteps(registry, lambda s, b: MemoryBuffer(b, 4096), metrics, 5.0)
+    node = NodeStateHolder()
+    steps = TrainerSteps(registry, lambda s, b: MemoryBuffer(b, 4096), metrics, 5.0, state=lambda: node.state)
     with pytest.raises(StepError, match="still joining its cluster") as err:
         steps.check_accepting("sessions")
     assert err.value.code == codes.UNAVAILABLE
+    node.apply(node_state.joined)
+    with pytest.raises(StepError, match="between generations") as err:  # joined, no step runner yet
+        steps.check_accepting("steps")
     steps.open(NodeSteps(InProcessCluster(1).communicator(0), 5.0))
     steps.check_accepting("sessions")
-    steps.draining = True
-    assert steps.wait_in_flight(1.0) == (0, 0)
-    with pytest.raises(StepError, match="draining: no new steps"):
+    steps.check_accepting("steps")
+    node.apply(node_state.changing("node 2 left"))
+    with pytest.raises(StepError, match="membership changes") as err:
         steps.check_accepting("steps")
+    assert err.value.code == codes.ABORTED
+    steps.check_accepting("sessions")  # sessions stay open across a change
+    node.apply(node_state.changed)
+    node.apply(node_state.drain())
+    assert steps.wait_in_flight(1.0) == (0, 0)
+    with pytest.raises(StepError, match="draining: no new steps") as err:
+        steps.check_accepting("steps")
+    assert err.value.code == codes.UNAVAILABLE
 
 
 class RowOutOfRange:

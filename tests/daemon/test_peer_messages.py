@@ -26,6 +26,8 @@ from zend.daemon.errors import StepError
 from zend.protocol.layout import TensorSpec
 from zend.transport.inproc import InProcessCluster
 
+pytestmark = pytest.mark.inprocess
+
 NODES, TRAINERS, ROWS, DIM = 3, 2, 100, 4
 NODE_SEED = 3  # Node's make_scheme(..., seed=3)
 

@@ -36,6 +36,7 @@ def prometheus(exporter: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
 
 
+@pytest.mark.daemon
 def test_prometheus_scrapes_the_exporter(prometheus: PrometheusServer, exporter: str) -> None:
     result = prometheus.wait_for("zen_harness_test_total > 0", timeout_s=30)
     assert len(result) == 1
@@ -45,6 +46,7 @@ def test_prometheus_scrapes_the_exporter(prometheus: PrometheusServer, exporter:
     assert prometheus.query("scalar(up)")[0]["value"][1] == "1"
 
 
+@pytest.mark.daemon
 def test_bad_expression_raises_prometheus_message(prometheus: PrometheusServer) -> None:
     expected = r"refused query 'sum\(zen_harness_test_total': bad_data: .*parse error"
     with pytest.raises(PrometheusQueryError, match=expected) as info:
@@ -54,6 +56,7 @@ def test_bad_expression_raises_prometheus_message(prometheus: PrometheusServer) 
         prometheus.wait_for("rate(zen_harness_test_total[5x])", timeout_s=5)
 
 
+@pytest.mark.daemon
 def test_wait_for_timeout_names_expr_and_target_health(prometheus: PrometheusServer, exporter: str) -> None:
     with pytest.raises(AssertionError) as info:
         prometheus.wait_for("zen_harness_absent_total", timeout_s=1)
@@ -62,6 +65,7 @@ def test_wait_for_timeout_names_expr_and_target_health(prometheus: PrometheusSer
     assert f"http://{exporter}/metrics: health=up" in message
 
 
+@pytest.mark.daemon
 def test_exit_stops_prometheus_even_on_error(exporter: str, tmp_path: Path) -> None:
     server = PrometheusServer([exporter], tmp_path, scrape_interval_s=0.5, job="other")
     config = json.loads(server.config_path.read_text().partition("\n")[2])  # after the comment line
@@ -74,6 +78,7 @@ def test_exit_stops_prometheus_even_on_error(exporter: str, tmp_path: Path) -> N
     assert server.process is None
 
 
+@pytest.mark.inprocess
 def test_target_must_be_host_port(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="target 'http://x:1/metrics' is not 'host:port'"):
         PrometheusServer(["http://x:1/metrics"], tmp_path)

@@ -8,16 +8,13 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 import pytest
 import torch
 import zen
 
-from tests.daemon.conftest import run_all
-from tests.daemon.test_daemon import random_grad
-from zend.api.zen.v1 import zen_pb2 as pb
-from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-from zend.protocol import paths
+from tests.helpers import node_status, random_grad, run_all
+
+pytestmark = pytest.mark.daemon
 
 PEER_TIMEOUT_S = 2.0
 EXTRA = ["--peer-timeout-s", str(PEER_TIMEOUT_S), "--step-timeout-s", "30", "--log-format", "text",
@@ -134,11 +131,6 @@ def test_with_min_nodes_the_survivors_go_on_with_the_sum_of_the_rest_and_take_th
     finally:
         for zc in clients.values():
             zc.close()
-
-
-def node_status(c, node: int):  # type: ignore[no-untyped-def]
-    with grpc.insecure_channel(paths.grpc_address(c.socket_dir(node))) as channel:
-        return pb_grpc.OperatorStub(channel).Status(pb.StatusRequest(), timeout=10)
 
 
 if __name__ == "__main__":

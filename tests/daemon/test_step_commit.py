@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -18,18 +17,21 @@ import torch
 
 from tests.core.helpers import assert_close_to, reference_sum
 from tests.daemon.test_node_steps import JOB, Node, grad_of
-from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
+from tests.faults import FaultPlan
+from tests.helpers import poll_for
 from zend.core.sparse import SparseGrad
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
 from zend.protocol.layout import TensorSpec
 from zend.transport.inproc import InProcessCluster
 
+pytestmark = pytest.mark.inprocess
+
 NODES, TRAINERS = 4, 2
 
 
 @dataclass(frozen=True)
-class Fault:
+class Schedule:
     kind: str  # "none", "kill" (the node stops at its op-th send or recv), "pause" (it sleeps there),
     # "leave" (a trainer leaves after its partner submitted), "leave_early" (before)
     node: int = 0
@@ -37,82 +39,40 @@ class Fault:
     pause_s: float = 0.0
 
 
-class Net:
-    """An InProcessCluster where a node can stop for good at a given operation, as kill -9 would
-    stop it: what it sent before is delivered, nothing after; its peers' receives from it fail once
-    their mailbox is empty, their sends to it fail."""
-
-    def __init__(self, fault: Fault):
-        self.cluster = InProcessCluster(NODES)
-        self.fault = fault
-        self.dead: set[int] = set()
-        self.ops = [0] * NODES
-        self.lock = threading.Lock()
-
-    def comm(self, rank: int) -> FaultyComm:
-        return FaultyComm(self, rank)
+def plan_of(schedule: Schedule) -> FaultPlan:
+    """The data-plane faults of a schedule (tests/faults.py): a node stopped as kill -9 would stop it
+    (what it sent before is delivered, nothing after; its peers' receives from it fail once their
+    mailbox is empty, their sends to it fail), or a node that pauses at one operation. A trainer that
+    leaves is no data-plane fault: run_step does it."""
+    plan = FaultPlan(NODES)
+    if schedule.kind == "kill":
+        plan.kill(schedule.node, nth=schedule.op)
+    elif schedule.kind == "pause":
+        plan.delay(schedule.node, seconds=schedule.pause_s, nth=schedule.op)
+    return plan
 
 
-class FaultyComm(Communicator):
-    def __init__(self, net: Net, rank: int):
-        self.net, self.rank, self.world_size = net, rank, NODES
-        self.inner = net.cluster.communicator(rank)
-
-    def _op(self) -> None:
-        net, f = self.net, self.net.fault
-        with net.lock:
-            k = net.ops[self.rank]
-            net.ops[self.rank] += 1
-            if self.rank in net.dead:
-                raise CommError(f"node {self.rank} was killed")
-            if f.kind == "kill" and f.node == self.rank and f.op == k:
-                net.dead.add(self.rank)
-                raise CommError(f"node {self.rank} was killed")
-        if f.kind == "pause" and f.node == self.rank and f.op == k:
-            time.sleep(f.pause_s)
-
-    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
-        self._op()
-        if dst in self.net.dead:
-            raise CommError(f"rank {self.rank}: rank {dst} lost")
-        self.inner.send(dst, tag, payload)
-
-    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
-        self._op()
-        deadline = time.monotonic() + (timeout_s or 30.0)
-        while True:
-            try:
-                return self.inner.recv(src, tag, 0.02)
-            except CommAborted:
-                raise
-            except CommTimeout:
-                if src in self.net.dead:
-                    raise CommError(f"rank {self.rank}: rank {src} lost") from None
-                if time.monotonic() > deadline:
-                    raise
-
-    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
-        if self.rank not in self.net.dead:  # a stopped node tells nobody anything
-            self.inner.abort(prefix, reason, code)
-
-
-def run_step(fault: Fault, scheme: str, step: int = 0) -> tuple[Net, list[Node], list[list[object]]]:
+def run_step(fault: Schedule, scheme: str, step: int = 0) -> tuple[FaultPlan, InProcessCluster, list[Node],
+                                                               list[list[object]]]:
     """One step of tensor 'emb' on every trainer of every node under `fault`; outcomes[node][trainer]."""
-    net = Net(fault)
+    net, cluster = plan_of(fault), InProcessCluster(NODES)
     spec = TensorSpec(JOB, "emb", (300, 4), "float32", "sparse_rows", False)
-    nodes = [Node(net.comm(r), scheme, timeout_s=10.0) for r in range(NODES)]
+    nodes = [Node(net.wrap(cluster.communicator(r)), scheme, timeout_s=10.0) for r in range(NODES)]
     sessions = [[n.trainer(t, TRAINERS) for t in range(TRAINERS)] for n in nodes]
     outcomes: list[list[object]] = [[None] * TRAINERS for _ in range(NODES)]
+    left = threading.Event()
 
     def trainer(r: int, t: int) -> None:
         node, session = nodes[r], sessions[r][t]
         if fault.kind == "leave_early" and r == fault.node and t == 0:
-            time.sleep(0.2)  # its partner left before it came: the step cannot start, and fails at once
+            assert left.wait(30)  # its partner left before it came: the step cannot start, and fails at once
         if fault.kind in ("leave", "leave_early") and (r, t) == (fault.node, 1):
-            time.sleep(0.05 if fault.kind == "leave" else 0.0)  # "leave": its partner has submitted by now
+            if fault.kind == "leave":  # its partner has submitted: the step is open, waiting for this trainer
+                poll_for(lambda: node.trainer_steps.in_flight(), 30, f"node {r}'s step opened by local rank 0")
             node.registry.close_session(session.session_id)
             node.trainer_steps.session_closed(session)
             outcomes[r][t] = "left"
+            left.set()
             return
         try:
             outcomes[r][t] = node.submit(session, spec, grad_of(r * TRAINERS + t, step, rows=300), step)
@@ -125,16 +85,16 @@ def run_step(fault: Fault, scheme: str, step: int = 0) -> tuple[Net, list[Node],
     for th in threads:
         th.join(60)
     assert not any(th.is_alive() for th in threads), f"a trainer still waits under {fault}"
-    return net, nodes, outcomes
+    return net, cluster, nodes, outcomes
 
 
 def clean_ops(scheme: str) -> list[int]:
-    net, _, outcomes = run_step(Fault("none"), scheme)
+    net, _, _, outcomes = run_step(Schedule("none"), scheme)
     assert all(isinstance(o, SparseGrad) for per in outcomes for o in per)
     return list(net.ops)
 
 
-def schedules(seed: int, scheme: str, count: int) -> list[Fault]:
+def schedules(seed: int, scheme: str, count: int) -> list[Schedule]:
     ops = clean_ops(scheme)
     rng = random.Random(seed)
     out = []
@@ -143,16 +103,17 @@ def schedules(seed: int, scheme: str, count: int) -> list[Fault]:
         # half of them in the commit (its last 4 (n - 1) sends and receives), where a stop is subtlest
         commit = 4 * (NODES - 1)
         op = ops[node] - 1 - rng.randrange(commit) if rng.random() < 0.5 else rng.randrange(ops[node])
-        out.append(Fault(kind, node, op, pause_s=rng.choice([0.05, 0.3])))
+        out.append(Schedule(kind, node, op, pause_s=rng.choice([0.05, 0.3])))
     return out
 
 
+@pytest.mark.slow  # 60 schedules a scheme, 5 s each: `make test` runs it, `make test-fast` does not
 @pytest.mark.parametrize("scheme", ["zen", "dense", "sparse_ps"])
 def test_under_random_faults_the_nodes_still_up_all_deliver_the_same_bits_or_all_fail(scheme: str) -> None:
     full = reference_sum([grad_of(i, 0, rows=300) for i in range(NODES * TRAINERS)])
     seen = set()
     for fault in schedules(7, scheme, 60):
-        net, nodes, outcomes = run_step(fault, scheme)
+        net, cluster, nodes, outcomes = run_step(fault, scheme)
         up = [r for r in range(NODES) if r not in net.dead]
         got = [o for r in up for o in outcomes[r] if o != "left"]
         if all(isinstance(o, SparseGrad) for o in got):
@@ -171,7 +132,7 @@ def test_under_random_faults_the_nodes_still_up_all_deliver_the_same_bits_or_all
             assert fault.kind in ("kill", "leave", "leave_early"), f"{fault}: failed unfaulted: {errors[0].message}"
             seen.add("aborted")
         # nothing left behind on the nodes still up
-        assert net.cluster.mailbox_messages(except_to=frozenset(net.dead)) == 0, fault
+        assert cluster.mailbox_messages(except_to=frozenset(net.dead)) == 0, fault
         for r in up:
             assert nodes[r].trainer_steps.in_flight() == 0, fault
         if fault.kind == "pause":
@@ -198,7 +159,8 @@ def test_an_aborted_step_can_be_submitted_again_and_then_sums_every_part() -> No
     first = [threading.Thread(target=submit, args=rt) for rt in [(0, 0), (1, 0), (1, 1)]]
     for th in first:
         th.start()
-    time.sleep(0.1)
+    poll_for(lambda: nodes[0].trainer_steps.in_flight() and nodes[1].trainer_steps.in_flight(), 30,
+             "step 3 open on both nodes (node 0 waiting for its local rank 1)")
     gone = sessions[0][1]
     nodes[0].registry.close_session(gone.session_id)
     nodes[0].trainer_steps.session_closed(gone)
@@ -222,27 +184,6 @@ def test_an_aborted_step_can_be_submitted_again_and_then_sums_every_part() -> No
         assert_close_to(got.to_dense(), full, torch.float32, 4)
 
 
-class FailsOnce(Communicator):
-    """A communicator whose first receive of a tag containing `marker` fails (a link that drops once)."""
-
-    def __init__(self, inner: Communicator, marker: str):
-        self.inner, self.marker, self.failed = inner, marker, False
-        self.rank, self.world_size = inner.rank, inner.world_size
-
-    def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
-        self.inner.send(dst, tag, payload)
-
-    def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
-        if self.marker in tag and not self.failed:
-            self.failed = True
-            time.sleep(0.5)  # the other node completes its exchange meanwhile
-            raise CommError(f"rank {self.rank}: rank {src} dropped the link")
-        return self.inner.recv(src, tag, timeout_s)
-
-    def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
-        self.inner.abort(prefix, reason, code)
-
-
 def test_an_aborted_step_leaves_every_node_in_the_same_scheme_state() -> None:
     """auto profiles with zen on its first sync, then plans timed trials. Node 1's link drops at its
     first pull, after it sent its own: node 0 completes the exchange (and would plan its trials),
@@ -251,8 +192,11 @@ def test_an_aborted_step_leaves_every_node_in_the_same_scheme_state() -> None:
     messages otherwise)."""
     cluster = InProcessCluster(2)
     spec = TensorSpec(JOB, "emb", (400, 4), "float32", "sparse_rows", False)
-    comms = [cluster.communicator(0), FailsOnce(cluster.communicator(1), "/pull/")]
-    nodes = [Node(comms[r], "auto", timeout_s=10.0) for r in range(2)]
+    plan = FaultPlan(2)
+    # node 0 completes its exchange (it is in the commit) before node 1's link drops at its first pull
+    in_commit = plan.mark(0, op="send", tag="/have/")
+    plan.fail(1, op="recv", tag="/pull/", until=in_commit.fired, message="rank {rank}: rank {peer} dropped the link")
+    nodes = [Node(plan.wrap(cluster.communicator(r)), "auto", timeout_s=10.0) for r in range(2)]
     sessions = [n.trainer(0, 1) for n in nodes]
 
     def step(s: int) -> list[object]:
@@ -272,6 +216,7 @@ def test_an_aborted_step_leaves_every_node_in_the_same_scheme_state() -> None:
 
     first = step(0)
     assert all(isinstance(o, StepError) and o.code == codes.ABORTED for o in first), first
+    assert in_commit.fired.is_set() and plan.faults[1].fired.is_set()
     for s in [0, 1, 2, 3, 4, 5]:  # the retry, then auto's trials and its choice
         got = step(s)
         assert all(isinstance(o, SparseGrad) for o in got), (s, got)
@@ -301,7 +246,7 @@ def test_a_job_run_again_after_all_its_trainers_left_is_not_refused_for_a_vacanc
 
     th = threading.Thread(target=submit)
     th.start()
-    time.sleep(0.2)
+    poll_for(lambda: node.trainer_steps.in_flight(), 10, "step 0 open, waiting for local rank 1")
     late = node.trainer(1, 2)
     got = node.submit(late, spec, grad_of(1, 0, rows=50, dim=2), 0)
     th.join(10)

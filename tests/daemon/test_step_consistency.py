@@ -8,13 +8,15 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
-from tests.daemon.conftest import run_all, status_code
-from tests.daemon.test_daemon import random_grad
+from tests.helpers import poll_for, random_grad, run_all, status_code, steps_in_flight
 from tests.subprocess_env import with_project
 from zend.protocol.session import TrainerSession
 from zend.protocol.step import StepFailed
+
+pytestmark = pytest.mark.daemon
 
 PEER_TIMEOUT_S = 2.0
 EXTRA = ["--peer-timeout-s", str(PEER_TIMEOUT_S), "--step-timeout-s", "60", "--log-format", "text"]
@@ -33,7 +35,7 @@ def test_a_straggler_twice_the_peer_timeout_late_is_waited_for_and_every_node_ge
         with TrainerSession(c.socket_dir(node), "j", c.token("j"), 0, 1, timeout_s=60) as link:
             h = link.register("emb", (200, 4))
             if node == 2:
-                time.sleep(2 * PEER_TIMEOUT_S)  # a GC pause, a slow data loader: alive, just late
+                time.sleep(2 * PEER_TIMEOUT_S)  # the point: a GC pause, a slow data loader: alive, just late
             return [link.allreduce(h, random_grad(200, 4, 10 * step + node), step) for step in range(2)]
 
     results = run_all([lambda n=n: body(n) for n in range(3)])
@@ -54,7 +56,8 @@ def test_a_frozen_daemon_aborts_the_step_everywhere_and_after_it_thaws_the_retry
             return links[node].allreduce(handles[node], random_grad(100, 4, node), 0)
 
         def freeze():  # type: ignore[no-untyped-def]
-            time.sleep(0.5)  # nodes 0 and 1 are in the step, waiting for node 2
+            poll_for(lambda: steps_in_flight(c, 0) and steps_in_flight(c, 1), 20,
+                     "nodes 0 and 1 in the step, waiting for node 2")
             c.send_signal(2, signal.SIGSTOP)
             frozen["at"] = time.monotonic()
 
@@ -72,14 +75,15 @@ def test_a_frozen_daemon_aborts_the_step_everywhere_and_after_it_thaws_the_retry
         assert status_code(thawed) == "ABORTED", thawed
         # every trainer submits step 0 again, once the links are back: the same sum everywhere
         def retry(node: int):  # type: ignore[no-untyped-def]
-            deadline = time.monotonic() + 30
-            while True:
+            def attempt():  # type: ignore[no-untyped-def]
                 try:
-                    return links[node].allreduce(handles[node], random_grad(100, 4, node), 0)
+                    return [links[node].allreduce(handles[node], random_grad(100, 4, node), 0)]
                 except StepFailed as exc:
-                    if status_code(exc) != "ABORTED" or time.monotonic() > deadline:
+                    if status_code(exc) != "ABORTED":
                         raise
-                    time.sleep(0.2)
+                    return None
+
+            return poll_for(attempt, 30, f"node {node}'s step 0 redone", interval_s=0.2)[0]
 
         again = run_all([lambda n=n: retry(n) for n in range(3)])
         _same(again)
@@ -112,7 +116,8 @@ def test_a_trainer_killed_mid_step_aborts_it_for_every_trainer_on_every_node_the
             return links[key].allreduce(handles[key], random_grad(300, 8, 2 * key[0] + key[1]), 4)
 
         def kill():  # type: ignore[no-untyped-def]
-            time.sleep(0.5)
+            poll_for(lambda: steps_in_flight(c, 0) and steps_in_flight(c, 1), 20,
+                     "step 4 open on both nodes, node 0's waiting for the victim")
             victim.kill()
             killed["at"] = time.monotonic()
 

@@ -16,6 +16,8 @@ from zend.daemon.settings import SettingsError, resolve
 from zend.daemon.steps import StepKey, StepTable
 from zend.protocol.layout import TensorSpec, align
 
+pytestmark = pytest.mark.inprocess
+
 
 def test_step_starts_when_every_local_trainer_has_submitted_and_repeats_join_it():
     table = StepTable()

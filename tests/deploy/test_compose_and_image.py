@@ -25,6 +25,7 @@ def source(volume: str | dict) -> str:  # type: ignore[type-arg]
     return volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
 
 
+@pytest.mark.daemon
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
                     reason="needs Debian's docker-compose (.ci/run installs it)")
 def test_compose_file_validates_and_wires_daemons_trainers_prometheus_grafana():
@@ -49,6 +50,7 @@ def test_compose_file_validates_and_wires_daemons_trainers_prometheus_grafana():
     assert services["zend-0"]["read_only"] is True and services["trainer-0"]["read_only"] is True
 
 
+@pytest.mark.daemon
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
                     reason="needs Debian's docker-compose (.ci/run installs it)")
 def test_compose_images_and_build_are_set_by_environment_variables():
@@ -65,6 +67,7 @@ def test_compose_images_and_build_are_set_by_environment_variables():
     assert any("19090" in str(p) for p in services["prometheus"]["ports"])
 
 
+@pytest.mark.inprocess
 def test_compose_daemons_serve_metrics_to_prometheus_in_another_container():
     """zend binds its metrics to 127.0.0.1 unless told otherwise: Prometheus' container needs them on 0.0.0.0,
     and no daemon serves its Trainer service on TCP."""
@@ -77,6 +80,7 @@ def test_compose_daemons_serve_metrics_to_prometheus_in_another_container():
         assert env.get("ZEND_GRPC_LISTEN_TRAINERS", "0") == "0"
 
 
+@pytest.mark.inprocess
 def test_dockerfile_copies_what_exists_runs_as_non_root_and_checks_health():
     text = (ROOT / "deploy/Dockerfile").read_text()
     for line in re.findall(r"^COPY (?!--from)(.+)$", text, flags=re.M):
@@ -89,6 +93,7 @@ def test_dockerfile_copies_what_exists_runs_as_non_root_and_checks_health():
     assert "ARG BASE_IMAGE=" in text and "TORCH_INDEX" in text and "ARG WHEELHOUSE=" in text
 
 
+@pytest.mark.daemon
 def test_zend_health_command_answers_from_a_live_daemon(fresh_cluster, tmp_path):
     c = fresh_cluster(1, extra=["--log-format", "text"])
     ok = subprocess.run([sys.executable, "-m", "zend", "health", "--socket-dir", c.socket_dir(0)],

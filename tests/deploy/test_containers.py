@@ -27,12 +27,15 @@ import pytest
 
 from tests.deploy import docker_host
 from tests.deploy.docker_host import docker
+from tests.helpers import poll_for
 from zend.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ZEND_IMAGE, PROMETHEUS_IMAGE = "zen-ci-zend:test", "zen-ci-prometheus:test"
 STEPS = 30
 WHEELHOUSE = "build/wheelhouse"  # inside the build context, which is the repository
+# a container or Prometheus not answering yet: poll again a second later
+RETRY: dict[str, Any] = {"interval_s": 1.0, "ignore": (OSError, AssertionError, KeyError)}
 
 # pytest-timeout counts the fixtures' setup: the first test builds the base, the wheelhouse and both images
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800),
@@ -70,19 +73,6 @@ def prometheus_query(port: int, path: str, **params: str) -> Any:
         body = json.load(reply)
     assert body["status"] == "success", body
     return body["data"]
-
-
-def wait_for(what: str, check: Any, timeout_s: float) -> Any:
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except (OSError, AssertionError, KeyError) as exc:
-            last = exc
-        time.sleep(1)
-    raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +116,7 @@ def stack(images: dict[str, Any]) -> Iterator[tuple[Compose, int, dict[str, Any]
         compose("up", "-d", "--no-build", "zend-0", "zend-1", "prometheus")
         for service in ("zend-0", "zend-1"):
             container = compose.container(service)
-            wait_for(f"{service} healthy", lambda c=container: health(c) == "healthy", 120)
+            poll_for(lambda c=container: health(c) == "healthy", 120, f"{service} healthy", **RETRY)
         images["up_to_healthy_s"] = round(time.monotonic() - t, 1)
         yield compose, port, images
     finally:
@@ -195,8 +185,9 @@ def test_trainers_train_to_the_end_and_prometheus_sees_both_daemons(
         return {r["metric"]["instance"] for r in result if float(r["value"][1]) > 0}
 
     # zen_tensor_steps_total counts tensor-steps; both daemons' series, after the trainers' last scrape
-    wait_for("both daemons' tensor-steps in Prometheus", lambda: series("zen_tensor_steps_total") >= instances, 60)
-    wait_for("both daemons' sent bytes in Prometheus", lambda: series("zen_sent_bytes_total") >= instances, 60)
+    poll_for(lambda: series("zen_tensor_steps_total") >= instances, 60, "both daemons' tensor-steps in Prometheus",
+             **RETRY)
+    poll_for(lambda: series("zen_sent_bytes_total") >= instances, 60, "both daemons' sent bytes in Prometheus", **RETRY)
     assert series('up{job="zend"}') >= instances
     rules = {rule["name"] for group in prometheus_query(port, "rules")["groups"] for rule in group["rules"]}
     assert {"ZenDaemonDown", "ZenPeerDown"} <= rules, rules

@@ -157,6 +157,7 @@ def quantity(text: str | int) -> float:
 
 
 # ---------------------------------------------------------------------------------- schemas
+@pytest.mark.inprocess
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize(("name", "index", "doc"), DOCS, ids=[f"{n}:{i}:{d['kind']}" for n, i, d in DOCS])
 def test_document_validates_against_the_kubernetes_schema(name: str, index: int, doc: dict, version: str) -> None:
@@ -170,6 +171,7 @@ def test_document_validates_against_the_kubernetes_schema(name: str, index: int,
         pytest.fail(f"{name} document {index} ({doc['kind']}): {'.'.join(map(str, exc.path))}: {exc.message}")
 
 
+@pytest.mark.inprocess
 def test_strict_validation_rejects_an_unknown_field() -> None:
     doc = copy.deepcopy(one("daemonset.yaml", "DaemonSet"))
     doc["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {"grpc": {"port": 7070}}
@@ -177,6 +179,7 @@ def test_strict_validation_rejects_an_unknown_field() -> None:
         kubernetes_validate.validate(doc, VERSIONS[0], strict=True)
 
 
+@pytest.mark.inprocess
 def test_the_rdma_lines_uncommented_still_validate(tmp_path: Path) -> None:
     text = (K8S / "daemonset-hostnetwork.yaml").read_text()
     marked = [line for line in text.splitlines() if line.rstrip().endswith("# RDMA")]
@@ -193,6 +196,7 @@ def test_the_rdma_lines_uncommented_still_validate(tmp_path: Path) -> None:
     assert zend_settings("rdma", doc, tmp_path).transport == "ucx"
 
 
+@pytest.mark.inprocess
 def test_the_expected_resources_are_there() -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for _, _, d in DOCS}
     assert {("Namespace", "zen"), ("ConfigMap", "zend-config"), ("Secret", "zen-cluster-secret"),
@@ -207,6 +211,7 @@ def test_the_expected_resources_are_there() -> None:
 
 
 # ---------------------------------------------------------------------------------- PodMonitor
+@pytest.mark.inprocess
 def test_podmonitor_scrapes_every_zend_pod_on_its_metrics_port(tmp_path: Path) -> None:
     monitor = one("podmonitor.yaml", "PodMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
@@ -238,6 +243,7 @@ def scrape_job(monitor: dict[str, Any], pod_labels: dict[str, str]) -> str:
     return (pod_labels.get(label) or default) if label else default
 
 
+@pytest.mark.daemon
 @pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package 'prometheus')")
 def test_zen_daemon_down_fires_on_the_job_label_the_podmonitor_gives(tmp_path: Path) -> None:
     monitor = one("podmonitor.yaml", "PodMonitor")
@@ -270,6 +276,7 @@ def test_zen_daemon_down_fires_on_the_job_label_the_podmonitor_gives(tmp_path: P
                                  f"{[s['series'] for s in series]}:\n{run.stdout}{run.stderr}")
 
 
+@pytest.mark.inprocess
 def test_podmonitor_relabelings_keep_zends_own_labels() -> None:
     from zend.daemon.metrics import DaemonMetrics
 
@@ -285,6 +292,7 @@ def test_podmonitor_relabelings_keep_zends_own_labels() -> None:
 
 
 # ---------------------------------------------------------------------------------- settings
+@pytest.mark.inprocess
 def test_every_zend_and_zen_variable_named_is_one_the_code_reads() -> None:
     settings_vars = {ENV_PREFIX + name.upper() for name in FIELDS} | {ENV_PREFIX + "CONFIG"}
     sources = "\n".join(p.read_text() for d in ("zend", "client") for p in (ROOT / d).rglob("*.py"))
@@ -296,6 +304,7 @@ def test_every_zend_and_zen_variable_named_is_one_the_code_reads() -> None:
             assert f'"{var}"' in sources, f"{path.name}: {var} is read nowhere in zend or the client"
 
 
+@pytest.mark.inprocess
 def test_the_configmap_toml_holds_only_settings_and_resolves(tmp_path: Path) -> None:
     data = tomllib.loads(config_toml())
     assert set(data) <= set(FIELDS), f"not settings: {sorted(set(data) - set(FIELDS))}"
@@ -306,6 +315,7 @@ def test_the_configmap_toml_holds_only_settings_and_resolves(tmp_path: Path) -> 
     assert settings.socket_dir == "/run/zend"
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("name", sorted(workloads()))
 def test_zend_resolves_its_settings_in_the_pod(name: str, tmp_path: Path) -> None:
     workload = workloads()[name]
@@ -348,6 +358,7 @@ def test_zend_resolves_its_settings_in_the_pod(name: str, tmp_path: Path) -> Non
 
 
 # ---------------------------------------------------------------------------------- the secret
+@pytest.mark.inprocess
 @pytest.mark.parametrize("name", sorted(workloads()))
 def test_the_cluster_secret_is_a_mounted_file(name: str) -> None:
     secret = one("secret.yaml", "Secret", "zen-cluster-secret")
@@ -369,6 +380,7 @@ def test_the_cluster_secret_is_a_mounted_file(name: str) -> None:
         assert "secret" not in " ".join(container.get("command", []) + container.get("args", [])).lower()
 
 
+@pytest.mark.inprocess
 def test_the_placeholder_secret_cannot_be_used_by_mistake(tmp_path: Path) -> None:
     placeholder = one("secret.yaml", "Secret", "zen-cluster-secret")["stringData"]["cluster-secret"]
     (tmp_path / "secret").write_text(placeholder)
@@ -377,6 +389,7 @@ def test_the_placeholder_secret_cannot_be_used_by_mistake(tmp_path: Path) -> Non
 
 
 # ---------------------------------------------------------------------------------- pods
+@pytest.mark.inprocess
 @pytest.mark.parametrize("name", [n for n in FILES if any(d["kind"] in ("DaemonSet", "StatefulSet", "Job")
                                                           for d in load(n))])
 def test_pods_are_locked_down_and_sized(name: str) -> None:
@@ -427,6 +440,7 @@ def trainer_env_checks(trainer: dict[str, Any], socket_dir: str) -> None:
     assert {"LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= set(env)
 
 
+@pytest.mark.inprocess
 def test_the_sidecar_statefulset(tmp_path: Path) -> None:
     sts = one("sidecar-statefulset.yaml", "StatefulSet")
     spec = pod_spec(sts)
@@ -456,6 +470,7 @@ def test_the_sidecar_statefulset(tmp_path: Path) -> None:
     assert not spec.get("hostIPC") and not spec.get("hostNetwork"), "a pod shares its IPC namespace already"
 
 
+@pytest.mark.inprocess
 def test_the_sidecar_job(tmp_path: Path) -> None:
     job = one("sidecar-job.yaml", "Job")
     spec = pod_spec(job)
@@ -501,6 +516,7 @@ def test_the_sidecar_job(tmp_path: Path) -> None:
     assert not spec.get("hostIPC") and not spec.get("hostNetwork")
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("name", ["daemonset.yaml", "daemonset-hostnetwork.yaml"])
 def test_the_daemonset_and_its_trainers(name: str, tmp_path: Path) -> None:
     ds = workloads()[name]
@@ -533,6 +549,7 @@ def test_the_daemonset_and_its_trainers(name: str, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- the rank step
+@pytest.mark.inprocess
 def test_node_rank_writes_rank_world_size_and_rendezvous(tmp_path: Path) -> None:
     node_config = node_rank_module()["node_config"]
     nodes = [node("gpu-b", "1"), node("gpu-a", "0", RANK0_NODE_IP), node("gpu-c", "2")]
@@ -543,6 +560,7 @@ def test_node_rank_writes_rank_world_size_and_rendezvous(tmp_path: Path) -> None
     assert tomllib.loads(text).items() >= tomllib.loads(config_toml()).items()
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize(("nodes", "world_size", "message"), [
     ([node("gpu-a", "0")], 2, "gpu-b has no zen.dev/rank label"),  # the API lists labelled nodes only
     ([node("gpu-a", "0"), node("gpu-b", None)], 2, "gpu-b has no zen.dev/rank label"),
@@ -558,12 +576,14 @@ def test_node_rank_refuses_bad_labels_naming_the_node(nodes: list, world_size: i
         module["node_config"](config_toml(), "gpu-b", nodes, world_size, 7001)
 
 
+@pytest.mark.inprocess
 def test_node_rank_refuses_a_config_that_sets_the_rank() -> None:
     module = node_rank_module()
     with pytest.raises(module["NodeConfigError"], match=r"zend\.toml sets rank"):
         module["node_config"]("rank = 0\n" + config_toml(), "gpu-a", [node("gpu-a", "0")], 1, 7001)
 
 
+@pytest.mark.inprocess
 def test_node_rank_main_writes_the_file_or_says_why_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     import urllib.error
@@ -586,6 +606,7 @@ def test_node_rank_main_writes_the_file_or_says_why_not(tmp_path: Path, monkeypa
     assert "HTTP 403" in capsys.readouterr().err and not (tmp_path / "other.toml").exists()
 
 
+@pytest.mark.inprocess
 def test_the_daemonset_init_steps_read_and_write_where_zend_looks() -> None:
     spec = pod_spec(workloads()["daemonset.yaml"])
     step = next(c for c in spec["initContainers"] if c["name"] == "node-rank")
@@ -602,6 +623,7 @@ def test_the_daemonset_init_steps_read_and_write_where_zend_looks() -> None:
     assert any(m["name"] == shared and m["mountPath"] == out.rpartition("/")[0] for m in zend["volumeMounts"])
 
 
+@pytest.mark.daemon
 def test_the_prometheusrule_holds_exactly_the_compose_alert_rules(tmp_path: Path) -> None:
     rule = one("prometheusrule.yaml", "PrometheusRule")
     assert rule["metadata"]["namespace"] == one("podmonitor.yaml", "PodMonitor")["metadata"]["namespace"]

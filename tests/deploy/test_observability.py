@@ -36,9 +36,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.daemon.conftest import run_all
 from tests.daemon.prometheus import PrometheusServer, prometheus_binary
-from tests.daemon.test_daemon import random_grad
+from tests.helpers import poll_for, random_grad, run_all
 from zend.protocol.session import TrainerSession
 from zend.protocol.step import StepFailed
 
@@ -149,6 +148,7 @@ def operands(expr: str) -> list[str]:
     return [q for part in parts for q in operands(part)]
 
 
+@pytest.mark.inprocess
 def test_operands_splits_conditions_and_keeps_the_rest_whole():
     assert operands("zen_peer_up == 0") == ["zen_peer_up"]
     assert operands('up{job="a>b"} == 0') == ['up{job="a>b"}']
@@ -171,11 +171,13 @@ def load_builder() -> ModuleType:
     return module
 
 
+@pytest.mark.inprocess
 def test_dashboard_json_is_generated_and_current():
     assert load_builder().render() == DASHBOARD.read_text(), (
         "deploy/grafana/zen-dashboard.json is stale: run python deploy/grafana/build_dashboard.py")
 
 
+@pytest.mark.inprocess
 def test_dashboard_round_trips_through_grafanas_dashboard_schema():
     pytest.importorskip("grafana_foundation_sdk", reason="needs grafana-foundation-sdk (dev extra)")
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -190,6 +192,7 @@ def test_dashboard_round_trips_through_grafanas_dashboard_schema():
     assert json.loads(JSONEncoder().encode(Dashboard.from_json(tampered))) != tampered
 
 
+@pytest.mark.inprocess
 def test_dashboard_is_well_formed_for_grafana():
     d = dashboard()
     assert d["uid"] and d["title"] and d["schemaVersion"] >= 39
@@ -219,6 +222,7 @@ def test_dashboard_is_well_formed_for_grafana():
     assert used - builtin <= set(variables), f"undefined variables: {used - builtin - set(variables)}"
 
 
+@pytest.mark.inprocess
 def test_dashboard_shows_every_daemon_metric():
     from zend.daemon.metrics import DaemonMetrics
 
@@ -228,6 +232,7 @@ def test_dashboard_shows_every_daemon_metric():
     assert not missing, f"metrics on no dashboard panel: {sorted(missing)}"
 
 
+@pytest.mark.inprocess
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     ds = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text())
     (source,) = ds["datasources"]
@@ -237,6 +242,7 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     assert provider["type"] == "file" and provider["options"]["path"] == "/var/lib/grafana/dashboards/zen"
 
 
+@pytest.mark.daemon
 @needs_promtool
 def test_promtool_checks_the_rules_and_the_config():
     for args in (["check", "rules", str(ALERTS)], ["check", "config", str(PROM_CONFIG)]):
@@ -330,6 +336,7 @@ ALERT_UNIT_TESTS = {
 }
 
 
+@pytest.mark.daemon
 @needs_promtool
 def test_alert_rules_fire_on_made_up_series(tmp_path):
     tests = tmp_path / "alerts_test.yml"
@@ -366,6 +373,7 @@ def has_data(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)
 
 
+@pytest.mark.daemon
 @pytest.mark.skipif(prometheus_binary() is None,
                     reason="needs the prometheus server binary (Debian package 'prometheus'; .ci/run installs it)")
 def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cluster, tmp_path):
@@ -387,7 +395,7 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
                     assert err.value.code == "NOT_FOUND"
                     h.tensor_id -= 1000
                 link.allreduce(h, random_grad(500, 8, 10 * step + node), step)
-                time.sleep(STEP_PAUSE_S)
+                time.sleep(STEP_PAUSE_S)  # the point: steps spread over scrapes, so the rates have data
 
     # job "zend"; Prometheus presents the operator token, as deploy/README.md says, so labels carry names
     with PrometheusServer(targets, tmp_path / "prom", scrape_interval_s=0.5, bearer_token=c.operator_token()) as prom:
@@ -397,11 +405,10 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
         failures = []
         for what, expr in queries + alert_queries:
             query = substitute(expr, targets)
-            deadline = time.monotonic() + 15  # the last steps reach Prometheus within a scrape or two
-            while not has_data(result := prom.query(query)) and time.monotonic() < deadline:
-                time.sleep(0.25)
-            if not has_data(result):
-                failures.append(f"{what}: {query}\n    -> {result}")
+            try:  # the last steps reach Prometheus within a scrape or two
+                poll_for(lambda: has_data(prom.query(query)), 15, query, interval_s=0.25)  # noqa: B023
+            except AssertionError:
+                failures.append(f"{what}: {query}\n    -> {prom.query(query)}")
         with urllib.request.urlopen(names_url, timeout=10) as response:
             names = set(json.load(response)["data"])
     assert not failures, "queries without data:\n" + "\n".join(failures)

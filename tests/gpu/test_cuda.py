@@ -13,7 +13,7 @@ from zend.core.hashing import SeededHash
 from zend.core.partition import ZenPartitioner
 from zend.simulator.traces import TokenTrace
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.inprocess, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
 
 

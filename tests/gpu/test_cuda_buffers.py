@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.buffers.trainer import ROOT, Trainer
+from tests.helpers import poll_for
 from tests.subprocess_env import with_project
 from zend.buffers import BufferServer, CudaBuffer, SessionInfo, SharedBufferError
 
@@ -62,13 +63,7 @@ def trainer(daemon: Daemon) -> Iterator[Trainer]:
         t.kill()
 
 
-def wait_for_zero_pool(server: BufferServer, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while server.pool_bytes and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return server.pool_bytes == 0
-
-
+@pytest.mark.daemon
 def test_trainer_and_daemon_share_a_cuda_buffer(daemon: Daemon, trainer: Trainer) -> None:
     server = daemon.server
     reply = trainer.call(cmd="alloc", nbytes=1 << 20, device="cuda:0")
@@ -85,19 +80,23 @@ def test_trainer_and_daemon_share_a_cuda_buffer(daemon: Daemon, trainer: Trainer
     assert trainer.call(cmd="read", buffer=buf.buffer_id, offset=256, count=3)["values"] == [-1.0, 2.0, 3.0]
 
     assert trainer.exit() == 0
-    assert daemon.closed.wait(10) and wait_for_zero_pool(server)
+    assert daemon.closed.wait(10)
+    poll_for(lambda: server.pool_bytes == 0, 10, "the CUDA pool empty", interval_s=0.02)
 
 
+@pytest.mark.daemon
 def test_killed_trainer_ends_its_cuda_session(daemon: Daemon, trainer: Trainer) -> None:
     server = daemon.server
     trainer.call(cmd="alloc", nbytes=4 << 20, device="cuda:0")
     trainer.call(cmd="alloc", nbytes=4096, device="cpu")
     assert server.pool_bytes == (4 << 20) + 4096
     os.kill(trainer.proc.pid, signal.SIGKILL)
-    assert daemon.closed.wait(10) and wait_for_zero_pool(server)
+    assert daemon.closed.wait(10)
+    poll_for(lambda: server.pool_bytes == 0, 10, "the CUDA pool empty", interval_s=0.02)
     assert server.sessions == []
 
 
+@pytest.mark.daemon
 def test_export_opens_in_another_process() -> None:
     buf = CudaBuffer.create(4096, "direct", "cuda:0")
     try:
@@ -132,6 +131,7 @@ buf.close()
 """
 
 
+@pytest.mark.daemon
 def test_ipc_hand_off_latency(gpu_figure) -> None:  # type: ignore[no-untyped-def]
     """Opening a buffer's IPC handle in a trainer process, and one 1 MiB write published to the daemon."""
     buf = CudaBuffer.create(1 << 20, "latency", "cuda:0")
@@ -150,6 +150,7 @@ def test_ipc_hand_off_latency(gpu_figure) -> None:  # type: ignore[no-untyped-de
         buf.close()
 
 
+@pytest.mark.inprocess
 def test_each_buffer_is_alone_in_its_cuda_allocation() -> None:
     """An IPC handle opens a whole allocation: two buffers must never share one."""
     bufs = [CudaBuffer.create(n, f"b{n}", "cuda:0") for n in (512, 512, 3 << 20)]
@@ -162,6 +163,7 @@ def test_each_buffer_is_alone_in_its_cuda_allocation() -> None:
             b.close()
 
 
+@pytest.mark.inprocess
 def test_cuda_views_and_refusals_name_the_values() -> None:
     buf = CudaBuffer.create(64, "c1", "cuda:0")
     try:

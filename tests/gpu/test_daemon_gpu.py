@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.daemon.conftest import fresh_cluster, run_all  # noqa: F401  (fixture)
-from tests.daemon.test_daemon import random_grad
+from tests.daemon.conftest import fresh_cluster  # noqa: F401  (fixture)
+from tests.helpers import random_grad, run_all
 from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.daemon, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("dense", [False, True])

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.client.test_client import ROOT, launch_ranks
 from tests.daemon.conftest import fresh_cluster  # noqa: F401  (fixture)
+from tests.helpers import ROOT, launch_ranks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.daemon, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("nodes", [1, 2])

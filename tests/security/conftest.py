@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.daemon.conftest import run_all
+from tests.helpers import run_all
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol import paths

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.protocol import paths
 
+pytestmark = pytest.mark.daemon
+
 F = FieldDescriptor
 _INT_RANGES = {F.TYPE_INT32: (-(2**31), 2**31 - 1), F.TYPE_SINT32: (-(2**31), 2**31 - 1),
                F.TYPE_SFIXED32: (-(2**31), 2**31 - 1), F.TYPE_INT64: (-(2**63), 2**63 - 1),

@@ -9,18 +9,21 @@ import json
 import os
 import socket
 import struct
-import time
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import poll_for
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.buffers import wire
 from zend.protocol import paths
 from zend.transport import parse_uri
 from zend.transport.handshake import PROTOCOL_VERSION
+
+pytestmark = pytest.mark.daemon
 
 SETTINGS = settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 ANSWER_WITHIN_S = 3.0
@@ -128,10 +131,13 @@ def test_the_buffer_socket_refuses_garbage_from_a_claimed_session(target, tally)
 
         attack()
     _after(target, tally, surface)
-    deadline = time.monotonic() + 10  # every fuzz session went with its connection: nothing left behind
-    while (left := _sessions_of(target, "fuzz")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == 0
+    # every fuzz session went with its connection: nothing left behind
+    def none_left() -> bool:
+        left = _sessions_of(target, "fuzz")
+        assert left == 0
+        return True
+
+    poll_for(none_left, 10, "no fuzz session left", interval_s=0.2, ignore=(AssertionError,))
 
 
 def _sessions_of(target, job: str) -> int:  # type: ignore[no-untyped-def]

@@ -26,13 +26,15 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.daemon.test_rejoin import node_status
+from tests.helpers import node_status, poll_for
 from tests.security.conftest import Tally, Target
 from zend.cluster.local import LocalCluster, free_port
 from zend.daemon.store_seal import MAC_BYTES, VERSION
 from zend.protocol import paths
 from zend.protocol.health import health_status
 from zend.protocol.session import TrainerSession
+
+pytestmark = pytest.mark.daemon
 
 RUN_ID = "zen-zen"  # the elastic rendezvous of cluster id "zen" (LocalCluster's)
 STATE_KEY = f"torch.rendezvous.{RUN_ID}"
@@ -101,6 +103,7 @@ def test_a_pickle_written_into_the_rendezvous_state_runs_nothing(store_target: T
     before = generations(c)
     marker = tmp_path / "pwned"
     attacker = store_client(c)
+    # the point: the handlers get 2 s, then 3 s, to read (and run) each pickle
     attacker.set(STATE_KEY, base64.b64encode(pickle.dumps(RunsCode(marker))))  # as torch's c10d backend stores it
     time.sleep(2.0)
     attacker.set(STATE_KEY, pickle.dumps(RunsCode(marker)))  # and raw
@@ -130,7 +133,7 @@ def test_a_forged_round_leaves_no_live_node_out_and_a_phantom_waiter_changes_not
     attacker = store_client(c)
     for _ in range(5):  # written again and again, as each is refused and overwritten
         attacker.set(STATE_KEY, pickle.dumps(forged))
-        time.sleep(1.0)
+        time.sleep(1.0)  # the point: the attacker's pace, and 5 s for the daemons to (wrongly) re-form
     assert generations(c) == before and node_counts(c) == [3, 3, 3]
     store_target.honest_step(tally, "store")
 
@@ -141,7 +144,7 @@ def test_a_deleted_state_is_written_back_and_a_restarted_node_still_gets_in(stor
     c = store_target.cluster
     before = generations(c)
     store_client(c).delete_key(STATE_KEY)
-    time.sleep(2.0)
+    time.sleep(2.0)  # the point: 2 s for the members to write their round back, and for nothing else to change
     assert store_client(c).get(STATE_KEY).startswith(VERSION)
     assert generations(c) == before
     restart(c, 2)
@@ -193,7 +196,7 @@ def test_forged_member_entries_redirect_no_dial_and_feed_no_step_numbers(store_t
             attacker.set(f"{STATE_KEY}.{round_}/zen/member/{slot}", json.dumps(entry))
     try:
         restart(c, 0)
-        time.sleep(1.0)
+        time.sleep(1.0)  # the point: a second more for a daemon to dial the stranger's address
     finally:
         done.set()
         listener.close()
@@ -219,10 +222,8 @@ def test_a_store_flood_ends_the_store_not_the_job_and_a_restarted_store_gets_the
     before = generations(c)
     store_target.honest_step(tally, "store")  # no store at all: the generation steps on
     c.start_store()  # what the supervisor does
-    deadline = time.monotonic() + 15
-    while not (store_client(c).check([STATE_KEY]) and store_client(c).get(STATE_KEY).startswith(VERSION)):
-        assert time.monotonic() < deadline, "the members did not write their round into the restarted store"
-        time.sleep(0.2)
+    poll_for(lambda: store_client(c).check([STATE_KEY]) and store_client(c).get(STATE_KEY).startswith(VERSION), 15,
+             "the members write their round into the restarted store", interval_s=0.2)
     assert generations(c) == before
     restart(c, 2)
     assert generations(c) == [before[0] + 1] * 3
@@ -253,14 +254,11 @@ def test_the_one_shot_rendezvous_ignores_a_strangers_claim_and_entries(tmp_path:
     try:
         c.start_node(0)  # node 0 hosts the round's store and waits for node 1
         host, _, port = c.store.rpartition(":")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                attacker = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=5))
-                break
-            except Exception:  # not up yet
-                assert time.monotonic() < deadline, c.log_tail(0)
-                time.sleep(0.2)
+        try:
+            attacker = poll_for(lambda: dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=5)),
+                                60, "node 0's store up", interval_s=0.2, ignore=(Exception,))  # not up yet
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{c.log_tail(0)}") from None
         attacker.add("zen/zen/claim/1", 1)
         attacker.set("zen/zen/rank/1", b'{"uri": "tcp://127.0.0.1:1", "agreed": {}}')
         c.start_node(1)
@@ -308,27 +306,18 @@ def test_idle_connections_to_the_metrics_and_operator_ports_starve_nothing(liste
         assert time.monotonic() - started < 10
         # the flooded port itself: idle connections are closed after the handshake timeout (5 s), so it
         # answers again while the flood still holds its sockets open
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if health_status(f"127.0.0.1:{grpc_port}", 2.0) == "SERVING":
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, "the operator port stayed starved by idle connections"
-            time.sleep(0.5)
+        poll_for(lambda: health_status(f"127.0.0.1:{grpc_port}", 2.0) == "SERVING", 20,
+                 "the operator port answers again while idle connections hold it", interval_s=0.5,
+                 ignore=(grpc.RpcError,))
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + 15
-    while True:  # the page is served again once the flood is gone
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_ports[0]}/metrics", timeout=5) as r:
-                assert b"zen_build_info" in r.read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    def page() -> bytes:
+        with urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_ports[0]}/metrics", timeout=5) as r:
+            return r.read()  # type: ignore[no-any-return]
+
+    # the page is served again once the flood is gone
+    assert b"zen_build_info" in poll_for(page, 15, "the metrics page", interval_s=0.5, ignore=(OSError,))
 
 
 def test_a_scrape_flood_is_served_the_cached_page_and_the_job_steps_on(listener_target: tuple[Target, int],
@@ -378,12 +367,13 @@ def test_an_open_session_whose_reply_never_arrives_frees_its_local_rank(listener
                 stub.CloseSession(pb.CloseSessionRequest(session_id=reply.session_id), timeout=10, metadata=metadata)
             except grpc.RpcError as exc:  # too late; or the one before's session is still being closed
                 assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or "already taken" in (exc.details() or ""), exc
-    deadline = time.monotonic() + 5
-    while True:  # within a moment, not the 60 s claim timeout
+    def opens() -> bool:
         try:
             with TrainerSession(c.socket_dir(1), job, c.token(job), 0, 1, timeout_s=10):
-                break
+                return True
         except grpc.RpcError as exc:
             assert "already taken" in (exc.details() or ""), exc
-            assert time.monotonic() < deadline, "an unanswered OpenSession still holds local rank 0"
-            time.sleep(0.2)
+            return False
+
+    # within a moment, not the 60 s claim timeout
+    poll_for(opens, 5, "local rank 0 free: no unanswered OpenSession holds it", interval_s=0.2)

@@ -14,6 +14,8 @@ from zend.transport.frames import ABORT, DATA, FRAME, HEARTBEAT, FrameError, unp
 from zend.transport.framing import Frames, SealedFrames, frames_for
 from zend.transport.sealing import CHUNK, GCM_TAG, LinkCipher
 
+pytestmark = pytest.mark.inprocess
+
 
 def _pair(sealed: bool) -> tuple[Frames, Frames]:
     if not sealed:

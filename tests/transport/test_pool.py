@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zend.transport.receive_pool import MIN_POOLED_BYTES, ReceivePool
+
+pytestmark = pytest.mark.inprocess
 
 
 def test_a_block_is_reused_once_its_tensor_is_gone():

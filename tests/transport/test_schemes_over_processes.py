@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.transport.conftest import RankProcesses, call_all
 from zend.cluster.netns import EmulatedCluster
 
@@ -23,10 +25,12 @@ def check(reports: list[dict]) -> None:
         assert sum(r[name]["bytes_sent"] for r in reports) == sum(r[name]["bytes_recv"] for r in reports)
 
 
+@pytest.mark.daemon
 def test_every_scheme_over_processes_on_loopback(processes):
     check(run_cluster(processes, 4))
 
 
+@pytest.mark.netns
 def test_every_scheme_over_processes_in_the_emulated_cluster(processes, emulated_cluster):
     """Four hosts in their own network namespaces, 1 Gbit/s links shaped in both directions."""
     check(run_cluster(processes, 4, emulated_cluster(4, rate_mbit=1000)))

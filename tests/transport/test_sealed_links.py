@@ -42,6 +42,7 @@ def _open(receiver: LinkCipher, head: bytes, body: bytes, size: int) -> tuple[by
     return tag, bytes(out)
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("size", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 17])
 def test_sealed_frames_open_to_what_was_sent_across_record_boundaries(size):
     dialer, acceptor = _pair()
@@ -55,6 +56,7 @@ def test_sealed_frames_open_to_what_was_sent_across_record_boundaries(size):
     assert _open(dialer, head, body, size)[1] == data
 
 
+@pytest.mark.inprocess
 @pytest.mark.parametrize("where", ["header size", "header kind", "tag", "payload", "gcm tag"])
 def test_any_flipped_bit_fails_authentication(where):
     dialer, acceptor = _pair()
@@ -68,6 +70,7 @@ def test_any_flipped_bit_fails_authentication(where):
         _open(acceptor, bytes(head), bytes(body), 5000)
 
 
+@pytest.mark.inprocess
 def test_replayed_reordered_and_reflected_frames_fail_authentication():
     dialer, acceptor = _pair()
     first, second = _seal(dialer, "a", b"1" * 10), _seal(dialer, "b", b"2" * 10)
@@ -140,6 +143,7 @@ class Relay:
             s.close()
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("security", ["aead", "none"])
 def test_an_on_path_relay_can_neither_read_nor_rewrite_a_sealed_link(processes, scheme, security):
     if scheme != "tcp":
@@ -165,6 +169,7 @@ def test_an_on_path_relay_can_neither_read_nor_rewrite_a_sealed_link(processes, 
         relay.close()
 
 
+@pytest.mark.daemon
 def test_a_stranger_gets_no_mac_to_guess_the_secret_against(processes, scheme):
     if scheme != "tcp":
         pytest.skip("raw tcp:// handshake framing")
@@ -188,6 +193,7 @@ def test_a_stranger_gets_no_mac_to_guess_the_secret_against(processes, scheme):
     processes.let_in(good, seed=5, connect_timeout_s=10)
 
 
+@pytest.mark.daemon
 @pytest.mark.parametrize("size", [0, 1, CHUNK + 1, 16 << 20])
 def test_links_in_clear_when_the_operator_says_so(processes, size):
     a, b = processes.mesh(2, security="none")
@@ -195,6 +201,7 @@ def test_links_in_clear_when_the_operator_says_so(processes, size):
     assert a.call("recv", src=1, tag="clear", seeds=[size], size=size)["intact"] == [True]
 
 
+@pytest.mark.inprocess
 def test_handshake_messages_must_have_exactly_their_fields():
     from zend.transport import handshake as hs
 
