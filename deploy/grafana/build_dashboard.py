@@ -236,11 +236,12 @@ def build() -> db.Dashboard:
         "zen_receive_pool_reuse_ratio", width=12))
     d = d.with_panel(
         table.Panel().id(45).title("Daemons").datasource(DS).span(24).height(6)
-        .description("What each daemon runs (its zend version, node, transport, membership), its membership "
+        .description("What each daemon runs (its zend version, data-plane engine, node, transport, membership), "
+                     "its membership "
                      "generation and when that formed (--elastic; 0 with static membership).")
         .with_target(query(f"max by (instance, node, transport, ucx_transports, membership) "
-                           f"({sel('zen_node_info')}) * on (instance) group_left (version) "
-                           f"max by (instance, version) ({sel('zen_build_info')})", ref="A", instant=True))
+                           f"({sel('zen_node_info')}) * on (instance) group_left (version, engine) "
+                           f"max by (instance, version, engine) ({sel('zen_build_info')})", ref="A", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_generation')})", ref="B", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_last_change_timestamp_seconds')}) * 1000",
                            ref="C", instant=True))

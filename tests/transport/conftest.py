@@ -1,7 +1,9 @@
 """Rank processes for transport tests (tests/transport/worker.py), stopped at teardown, also on failure.
 
 Every rank is a process of its own with one transport, the shape the daemons run in; the
-same tests run against tcp:// and ucx:// (the `scheme` fixture).
+same tests run against each `scheme`: tcp:// with the Python data plane, tcp+native (every rank's links
+in the native engine), tcp+mixed (odd ranks native, even ranks Python: the two interoperate on one wire)
+and ucx://.
 """
 
 from __future__ import annotations
@@ -105,8 +107,14 @@ class RankProcesses:
     """Starts rank processes for one test; kills whatever is still running at teardown."""
 
     def __init__(self, scheme: str):
-        self.scheme = scheme
+        self.scheme, _, self.engines = scheme.partition("+")  # "tcp+native" -> tcp://, every rank native
         self.procs: list[subprocess.Popen] = []
+
+    def engine(self, rank: int) -> str:
+        """The data-plane engine of rank `rank`: mixed pairs put odd ranks on the native engine."""
+        if self.engines == "native" or (self.engines == "mixed" and rank % 2 == 1):
+            return "native"
+        return "python"
 
     def launch(self, rank: int, world_size: int, *, host: str = "127.0.0.1", cluster: EmulatedCluster | None = None,
                secret: bytes = SECRET, **options: Any) -> subprocess.Popen:
@@ -116,7 +124,7 @@ class RankProcesses:
         """
         env = with_project(ZEN_CLUSTER_SECRET=secret.decode())
         argv = [sys.executable, "-m", "tests.transport.worker", "--uri", f"{self.scheme}://{host}:0",
-                "--rank", str(rank), "--world-size", str(world_size)]
+                "--rank", str(rank), "--world-size", str(world_size), "--engine", self.engine(rank)]
         for key, value in options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         if cluster is None:
@@ -169,11 +177,13 @@ class RankProcesses:
             proc.wait(10)
 
 
-@pytest.fixture(scope="module", params=["tcp", "ucx"])
+@pytest.fixture(scope="module", params=["tcp", "tcp+native", "tcp+mixed", "ucx"])
 def scheme(request) -> str:  # type: ignore[no-untyped-def]
-    """The transport under test: every test here runs against each backend."""
+    """The transport under test: every test here runs against each backend and engine."""
     if request.param == "ucx":
         pytest.importorskip("ucxx", reason="ucxx is not installed (install the `ucx` extra)")
+    if request.param.startswith("tcp+"):
+        pytest.importorskip("zend._engine", reason="the native engine is not built (pip install -e . builds it)")
     return request.param
 
 

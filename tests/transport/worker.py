@@ -19,6 +19,7 @@ a blocked send (backpressure) does not stop a later receive. Commands ("op"):
   schemes   {names}                            every scheme on seeded inputs, checked here
   transports {}                                what the transport really uses (UCX)
   exit      {}                                 close the transport and exit 0
+`--engine native` puts the native engine on a tcp:// rank's links (engine_choice.py).
 
 An error answers {"id", "error", "type"}; the worker keeps serving.
 """
@@ -97,7 +98,7 @@ class Worker:
         return {}
 
     def buffered(self, src: int) -> dict:
-        return {"bytes": self.t.mailboxes.buffered(src)}
+        return {"bytes": self.t.buffered_from(src)}
 
     def links(self) -> dict:
         return {"up": {str(j): p.link is not None for j, p in self.t.peers.items()},
@@ -111,7 +112,7 @@ class Worker:
         return {"bytes": self.t.mailbox_bytes(), "dropped": self.t.dropped_messages}
 
     def pool(self) -> dict:
-        return {"stats": vars(self.t.receive_pool.stats)}
+        return {"stats": vars(self.t.pool_stats())}
 
     def accepting(self) -> dict:
         return {"accept_error": self.t.accept_error}
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=10.0)
     parser.add_argument("--max-buffered-bytes", type=int, default=1 << 30)
     parser.add_argument("--security", default="aead")
+    parser.add_argument("--engine", default="python", choices=["python", "native"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     options: dict[str, Any] = {"cluster_id": args.cluster_id, "generation": args.generation,
@@ -169,7 +171,7 @@ def main() -> None:
                                "security": args.security}
     if args.protocol_version is not None:
         options["protocol_version"] = args.protocol_version
-    transport = create(args.uri, args.rank, args.world_size, secret=load_secret(), **options)
+    transport = create(args.uri, args.rank, args.world_size, engine=args.engine, secret=load_secret(), **options)
     print(f"PORT {transport.address[1]}", flush=True)
     worker = Worker(transport)
     for line in sys.stdin:

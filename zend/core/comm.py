@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +68,15 @@ class Communicator(ABC):
 
     @abstractmethod
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor: ...
+
+    def exchange(self, sends: Sequence[tuple[int, str, torch.Tensor]], recvs: Sequence[tuple[int, str]],
+                 timeout_s: float | None = None) -> list[torch.Tensor]:
+        """One round: every (dst, tag, payload) of `sends` sent in order, then every (src, tag) of `recvs`
+        received; the messages in the order of `recvs`. A transport with a native engine crosses into it
+        once for the whole round; this default is the same sends and recvs one by one."""
+        for dst, tag, payload in sends:
+            self.send(dst, tag, payload)
+        return [self.recv(src, tag, timeout_s) for src, tag in recvs]
 
     def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
         """Void every message whose tag starts with `prefix` (one step's tags), here and on every
@@ -167,6 +176,24 @@ class Channel:
         t.bytes_recv += payload.numel()
         t.messages_recv += 1
         return payload
+
+    def exchange(self, phase: str, sends: Sequence[tuple[int, torch.Tensor]], srcs: Sequence[int], round_: int = 0
+                 ) -> list[torch.Tensor]:
+        """One round of `phase`: every (dst, payload) sent, then a message from each of `srcs` received (in
+        that order), in one call to the communicator (Communicator.exchange)."""
+        tag = self._tag(phase, round_)
+        if any(dst == self.rank for dst, _ in sends) or self.rank in srcs:
+            raise CommError(f"rank {self.rank} exchanging with itself in phase {phase!r}")
+        got = self.comm.exchange([(dst, tag, payload) for dst, payload in sends], [(src, tag) for src in srcs],
+                                 self.timeout_s)
+        t = self.traffic.phases[phase]
+        t.bytes_sent += sum(payload.numel() for _, payload in sends)
+        t.messages_sent += len(sends)
+        if self.device is not None:
+            got = [m.to(self.device) if m.device != self.device else m for m in got]
+        t.bytes_recv += sum(m.numel() for m in got)
+        t.messages_recv += len(got)
+        return got
 
     def note_encoding(self, phase: str, kind: str) -> None:
         self.traffic.encodings[f"{phase}:{kind}"] += 1

@@ -33,6 +33,9 @@ HELP = {
                                                     "$ZEN_CLUSTER_SECRET; never on the command line)",
     "data_plane_security": "aead: every frame between daemons authenticated and encrypted (AES-256-GCM, keys "
                            "per link from the handshake); none: in clear, for fabrics you trust (logged loudly)",
+    "data_plane_engine": "what moves tcp:// frames: native (the C++ engine: epoll thread, OpenSSL sealing; "
+                         "refuses to start without it), python, or auto (native where it was built and loads); "
+                         "both speak the same wire format",
     "socket_dir": "folder of the trainer sockets zend.sock and buffers.sock",
     "grpc_listen": "extra HOST:PORT (TCP) for the Operator service and health checks (operators, probes); the "
                    "Trainer service stays on the unix socket unless --grpc-listen-trainers 1",
@@ -257,9 +260,11 @@ def format_status(reply: Any) -> str:
     """A StatusReply as a person reads it: the node, then a table each of peers, sessions and tensors."""
     state = "DRAINING" if reply.draining else "serving"
     ucx = f" ({', '.join(reply.ucx_transports)})" if reply.ucx_transports else ""
+    engine = f" ({reply.data_plane_engine} engine)" if reply.data_plane_engine else ""
     lines = [f"node {reply.node_rank} of {reply.node_count}, generation {reply.generation}, cluster "
              f"{reply.cluster_id!r}, zend {reply.daemon_version}: {state}",
-             f"membership {reply.membership}; transport {reply.transport}{ucx}; {reply.steps_in_flight} steps in "
+             f"membership {reply.membership}; transport {reply.transport}{ucx}"
+             f"{engine}; {reply.steps_in_flight} steps in "
              f"flight; shared buffers {_mb(reply.buffer_pool_bytes)}"]
     if reply.last_membership_change:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reply.last_membership_change_unix))

@@ -52,11 +52,14 @@ from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
 from zend.daemon.socket_steps import SocketSteps
 from zend.daemon.status import NodeStatus, PeerStatus, SessionStatus, TensorStatus
+from zend.daemon.steps import STEP_WINDOW
 from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.version import daemon_version
 from zend.transport import choose_transport, create, parse_uri
+from zend.transport.engine_choice import choose_engine
 from zend.transport.link_transport import LinkTransport, PeerState
+from zend.transport.native_tcp import NativeTcpTransport
 
 log = logging.getLogger("zend.daemon")
 MAX_CONTROL_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused by gRPC
@@ -87,6 +90,7 @@ class Daemon:
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
+        self.engine_name = "python"  # the data-plane engine of tcp:// links (engine_choice.py)
         self.grpc: GrpcServers | None = None  # the unix socket (every service) and --grpc-listen (TCP)
         self.health = health_aio.HealthServicer()  # answered on the gRPC event loop, never behind busy handlers
         self.membership = Membership(s.rank, s.world_size, {}, s.generation, s.cluster_id, s.agreed(),
@@ -222,18 +226,29 @@ class Daemon:
         m, s = self.membership, self.settings
         if m.world_size == 1:
             self.transport_name = "none"
+            self.registry.watch_last_steps(None)
             return
         hosts = [parse_uri(u)[1] for _, u in sorted(m.peers.items())]
         backend, reason = choose_transport(s.transport, hosts)
         self.transport_name = backend
         log.info("transport chosen", extra={"event": "transport", "transport": backend, "reason": reason})
+        engine, why = choose_engine(s.data_plane_engine, backend)
+        self.engine_name = engine
+        self.metrics.set_engine(engine)
+        log.info(f"data-plane engine: {engine} ({why})", extra={"event": "engine", "engine": engine, "reason": why})
         _, host, port = parse_uri(s.listen or m.peers[m.rank])
-        self.transport = create(f"{backend}://{host}:{port}", m.rank, m.world_size, cluster_id=m.cluster_id,
-                                secret=self.secret, generation=m.generation, timeout_s=s.peer_timeout_s,
-                                security=s.data_plane_security)
+        self.transport = create(f"{backend}://{host}:{port}", m.rank, m.world_size, engine=engine,
+                                cluster_id=m.cluster_id, secret=self.secret, generation=m.generation,
+                                timeout_s=s.peer_timeout_s, security=s.data_plane_security)
         registry = self.registry
         self.transport.admission = lambda src, kind, tag, size: admission.judge_frame(kind, tag, size,
                                                                                       registry.last_step)
+        transport = self.transport
+        if isinstance(transport, NativeTcpTransport):  # the engine judges frames itself, from each tensor's
+            transport.judge_in_engine(STEP_WINDOW, admission.MAX_AGREEMENT_BYTES)  # last step as told
+            registry.watch_last_steps(transport.note_last_step)
+        else:
+            registry.watch_last_steps(None)
         addresses = {j: parse_uri(u)[1:] for j, u in m.peers.items()}
         self.transport.connect(addresses, timeout_s=s.connect_timeout_s)
 
@@ -324,7 +339,7 @@ class Daemon:
     def readings(self) -> NodeReadings:
         """The levels Prometheus scrapes."""
         t = self.transport
-        pool = t.receive_pool.stats if t is not None else None
+        pool = t.pool_stats() if t is not None else None
         return NodeReadings(
             connected_trainers=self.registry.connected_trainers(), steps_in_flight=self.trainer_steps.in_flight(),
             buffer_pool_bytes=self.buffers.pool_bytes,
@@ -346,7 +361,8 @@ class Daemon:
                         for t in self.registry.tensor_list())
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
                           tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.node_state.state.drained,
-                          daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change)
+                          daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change,
+                          data_plane_engine=self.engine_name)
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str, token: str) -> SessionInfo | None:

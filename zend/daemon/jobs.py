@@ -118,6 +118,9 @@ class JobRegistry:
         self.sessions: dict[str, Session] = {}
         self.tensors: dict[tuple[str, int], TensorState] = {}
         self._by_job_key: dict[tuple[str, int], TensorState] = {}  # (job_key, tensor id): how tags name them
+        # told (job_key, tensor id, last step) at every registration and completed step: a native engine
+        # judges frames from its own copy of last_step (no Python call per frame)
+        self._last_step_watcher: Callable[[str, int, int], None] | None = None
 
     def check_token(self, job: str, token: str) -> None:
         if not job or len(job) > MAX_JOB_ID or not job.isprintable():
@@ -240,6 +243,8 @@ class JobRegistry:
                 state = TensorState(spec, tid, session.local_world_size, make_scheme())
                 self.tensors[(spec.job, tid)] = state
                 self._by_job_key[(job_key(spec.job), tid)] = state
+                if self._last_step_watcher is not None:
+                    self._last_step_watcher(job_key(spec.job), tid, -1)
                 return state
         if state.spec.name != spec.name:
             raise StepError(FAILED_PRECONDITION, f"tensor {spec.name!r} collides with {state.spec.name!r} "
@@ -248,6 +253,22 @@ class JobRegistry:
             raise StepError(INVALID_ARGUMENT, f"tensor {spec.name!r} of job {spec.job!r} is already registered as "
                                               f"{state.spec.describe()}, not {spec.describe()}")
         return state
+
+    def watch_last_steps(self, watcher: Callable[[str, int, int], None] | None) -> None:
+        """Tell `watcher` every tensor's last step now, and each registration and completed step from now on
+        (None: stop telling). One watcher: the data plane of the current generation."""
+        with self._lock:
+            self._last_step_watcher = watcher
+            if watcher is not None:
+                for (key, tid), state in self._by_job_key.items():
+                    watcher(key, tid, state.stats.last_step if state.stats.steps else -1)
+
+    def step_completed(self, state: TensorState, step: int, outcome: Any) -> None:
+        """Record a completed step of `state` (its stats) and tell the watcher."""
+        state.stats.record(step, outcome)
+        watcher = self._last_step_watcher
+        if watcher is not None:
+            watcher(job_key(state.spec.job), state.tensor_id, step)
 
     def last_step(self, key: str, tid: int) -> int | None:
         """The last step this node completed of tensor `tid` of the job whose job_key is `key` (-1: none

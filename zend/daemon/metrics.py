@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -154,9 +154,9 @@ class DaemonMetrics:
         self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
                           ["node", "transport", "ucx_transports", "membership"], registry=r)
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
-        self.build_info = Gauge("zen_build_info", "Constant 1, labelled with the zend version", ["version"],
-                                registry=r)
-        self.build_info.labels(daemon_version()).set(1)
+        self.build_info = Gauge("zen_build_info", "Constant 1, labelled with the zend version and the data-plane "
+                                "engine it runs (native or python)", ["version", "engine"], registry=r)
+        self.set_engine("python")
         self.membership_changed = Gauge("zen_membership_last_change_timestamp_seconds",
                                         "Unix time this node's current generation formed (--elastic)", registry=r)
         self._levels = _LevelCollector()
@@ -171,6 +171,11 @@ class DaemonMetrics:
                  generation: int) -> None:
         self.info.labels(str(node), transport, ",".join(ucx_transports), membership).set(1)
         self.generation.set(generation)
+
+    def set_engine(self, engine: str) -> None:
+        """The data-plane engine running now (engine_choice.py): one zen_build_info series."""
+        self.build_info.clear()
+        self.build_info.labels(daemon_version(), engine).set(1)
 
     def count_error(self, code: str) -> None:
         self.errors.labels(code=code).inc()
@@ -248,6 +253,15 @@ class _CountingCommunicator(Communicator):
         payload = self.inner.recv(src, tag, timeout_s)
         self.metrics.bytes_received.labels(peer=str(src)).inc(payload.numel() * payload.element_size())
         return payload
+
+    def exchange(self, sends: Sequence[tuple[int, str, torch.Tensor]], recvs: Sequence[tuple[int, str]],
+                 timeout_s: float | None = None) -> list[torch.Tensor]:
+        got = self.inner.exchange(sends, recvs, timeout_s)
+        for dst, _, payload in sends:
+            self.metrics.bytes_sent.labels(peer=str(dst)).inc(payload.numel() * payload.element_size())
+        for (src, _), payload in zip(recvs, got, strict=True):
+            self.metrics.bytes_received.labels(peer=str(src)).inc(payload.numel() * payload.element_size())
+        return got
 
     def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
         self.inner.abort(prefix, reason, code)

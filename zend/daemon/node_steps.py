@@ -158,8 +158,7 @@ class NodeSteps:
         if stood_still is not None:
             raise StepError(codes.ABORTED, f"node {self.comm.rank} stood still for {stood_still:.1f} s during "
                                            "the step: its peers may have declared it lost")
-        for j in self._others():
-            channel.recv(j, "have")
+        channel.exchange("have", [], self._others())  # every node's word, in one call
         self._all_send(channel, "all", tolerate_lost=True)
         for j in self._others():  # a lost node's word may still be here: take it, leave nothing behind
             try:

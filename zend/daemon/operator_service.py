@@ -86,7 +86,8 @@ def status_reply(s: NodeStatus, full: bool = True) -> Any:
                            steps_in_flight=s.steps_in_flight, draining=s.draining, daemon_version=s.daemon_version,
                            buffer_pool_bytes=s.buffer_pool_bytes, last_membership_change=s.last_membership_change,
                            last_membership_change_unix=s.last_membership_change_unix, redacted=not full,
-                           session_count=len(s.sessions), tensor_count=len(s.tensors))
+                           session_count=len(s.sessions), tensor_count=len(s.tensors),
+                           data_plane_engine=s.data_plane_engine)
     if not full:
         for p in s.peers:
             reply.peers.add(rank=p.rank, connected=p.connected)

@@ -37,6 +37,7 @@ class Settings:
     generation: int = 0
     secret_file: str = ""                # else $ZEN_CLUSTER_SECRET_FILE, else $ZEN_CLUSTER_SECRET
     data_plane_security: str = "aead"    # aead: frames between daemons sealed (AES-GCM); none: in clear
+    data_plane_engine: str = "auto"      # native (the C++ engine), python, or auto: native where it loads
     # the trainers' side
     socket_dir: str = paths.DEFAULT_SOCKET_DIR  # zend.sock (gRPC) and buffers.sock live here
     grpc_listen: str = ""                # optional TCP address for operators and probes, e.g. 0.0.0.0:7070
@@ -211,6 +212,8 @@ def validate(s: Settings) -> None:
         raise bad("transport", "must be tcp, ucx or auto")
     if s.data_plane_security not in ("aead", "none"):
         raise bad("data_plane_security", "must be aead or none")
+    if s.data_plane_engine not in ("auto", "native", "python"):
+        raise bad("data_plane_engine", "must be auto, native or python")
     if s.scheme not in SCHEMES:
         raise bad("scheme", f"must be one of {', '.join(SCHEMES)}")
     for name in ("step_timeout_s", "peer_timeout_s", "connect_timeout_s", "drain_timeout_s", "claim_timeout_s",

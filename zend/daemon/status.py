@@ -54,3 +54,4 @@ class NodeStatus:
     tensors: tuple[TensorStatus, ...]
     last_membership_change: str = ""  # what made the last generation (elastic membership), "" before any
     last_membership_change_unix: float = 0.0
+    data_plane_engine: str = "python"  # what moves tcp:// frames (engine_choice.py)

@@ -37,10 +37,18 @@ def parse_uri(uri: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port
 
 
-def create(uri: str, rank: int, world_size: int, **options: Any) -> Any:
-    """A started transport listening at `uri` (see each backend for its options)."""
+NATIVE_BACKENDS = {"tcp": "zend.transport.native_tcp:NativeTcpTransport"}  # engine_choice.py
+
+
+def create(uri: str, rank: int, world_size: int, engine: str = "python", **options: Any) -> Any:
+    """A started transport listening at `uri` (see each backend for its options); `engine` "native" puts
+    the native engine on its links (engine_choice.choose_engine resolves a setting to it)."""
     scheme, host, port = parse_uri(uri)
-    module, _, name = BACKENDS[scheme].partition(":")
+    if engine not in ("python", "native"):
+        raise ValueError(f"data-plane engine {engine!r} is not 'python' or 'native'")
+    if engine == "native" and scheme not in NATIVE_BACKENDS:
+        raise ValueError(f"data-plane engine 'native' serves {sorted(NATIVE_BACKENDS)} links, not {scheme}://")
+    module, _, name = (NATIVE_BACKENDS if engine == "native" else BACKENDS)[scheme].partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(rank, world_size, host=host, port=port, **options).start()
 

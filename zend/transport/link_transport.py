@@ -38,7 +38,7 @@ from zend.transport.framing import Frames, frames_for
 from zend.transport.liveness import Liveness
 from zend.transport.mailboxes import Mailboxes
 from zend.transport.peer_links import HandshakeGate, Peer, PeerLinks, PeerState
-from zend.transport.receive_pool import ReceivePool
+from zend.transport.receive_pool import PoolStats, ReceivePool
 from zend.transport.sealing import SECURITY_MODES, LinkCipher
 
 __all__ = ["MAX_DISCARDED_BYTES", "HandshakeGate", "LinkTransport", "Peer", "PeerState"]
@@ -306,6 +306,10 @@ class LinkTransport(Communicator):
             with self._cond:
                 self.mailboxes.void(tag, code, reason)
 
+    def note_last_step(self, job_key: str, tensor: int, last_step: int) -> None:
+        """A tensor's last completed step, for a transport that judges frames without asking `admission`
+        (the native engine); this one asks."""
+
     def _payload_buffer(self, size: int) -> torch.Tensor:
         """Where a received payload lands; handed to `recv` as it is (no copy)."""
         return self.receive_pool.take(size)
@@ -362,4 +366,12 @@ class LinkTransport(Communicator):
     def mailbox_bytes(self) -> int:
         """Bytes received and not yet taken, over every peer (a failed step must leave none)."""
         return self.mailboxes.buffered()
+
+    def pool_stats(self) -> PoolStats:
+        """The receive pool's counters (received payloads landing in reused blocks)."""
+        return self.receive_pool.stats
+
+    def buffered_from(self, src: int) -> int:
+        """Bytes received from rank src and not yet taken (what backpressure bounds)."""
+        return self.mailboxes.buffered(src)
 

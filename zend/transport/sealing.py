@@ -53,6 +53,7 @@ class LinkCipher:
     receiving thread the receives."""
 
     def __init__(self, send_key: bytes, recv_key: bytes):
+        self.keys = (send_key, recv_key)  # what a native engine taking the link over seals and opens with
         self._send, self._recv = AESGCM(send_key), AESGCM(recv_key)
         self._send_seq = self._recv_seq = 0
         self._scratch = bytearray(CHUNK + GCM_TAG)

@@ -161,7 +161,15 @@ def recv_units(ch: Channel, src: int, phase: str, unit_width: int, domain: int, 
                check_keys: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, Header]:
     """Receive rank `src`'s units message of `phase` and check it (see `decode_units`; `check_keys`
     raises ValueError for keys in the domain that are not the tensor's); PeerMessageError otherwise."""
-    msg = ch.recv(src, phase, round_)
+    return check_units(ch, src, phase, ch.recv(src, phase, round_), unit_width, domain, dtype,
+                       keys_ascending=keys_ascending, check_keys=check_keys)
+
+
+def check_units(ch: Channel, src: int, phase: str, msg: torch.Tensor, unit_width: int, domain: int,
+                dtype: torch.dtype, *, keys_ascending: bool = False,
+                check_keys: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, Header]:
+    """Rank `src`'s units message of `phase`, received in a round (Channel.exchange), checked as recv_units
+    checks it."""
     with from_peer(ch, src, phase):
         keys, values, header = decode_units(msg, unit_width, domain, dtype, keys_ascending)
         if check_keys is not None:

@@ -35,7 +35,14 @@ from zend.core.partition import (
     ZenPartitioner,
 )
 from zend.core.schemes import rowset
-from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, from_peer, imbalance, recv_units
+from zend.core.schemes.base import (
+    ExchangeScheme,
+    ResultPlace,
+    SyncResult,
+    check_units,
+    from_peer,
+    imbalance,
+)
 from zend.core.sparse import SparseGrad
 
 BOTH = (Encoding.COO, Encoding.BITMAP)
@@ -139,13 +146,15 @@ class ParallelScheme(ExchangeScheme):
         domain = parts.domain_size(me)
         keys_in: list[torch.Tensor] = []
         values_in: list[torch.Tensor] = []
+        others = [i for i in range(n) if i != me]
+        pushed = dict(zip(others, ch.exchange("push", [], others), strict=True))  # the round, in one call
         for i in range(n):  # rank order: the sum's order does not depend on arrival
             if i == me:
                 keys_in.append(own.keys)
                 values_in.append(own.values)
             else:
-                keys, values, _ = recv_units(ch, i, "push", parts.unit_width, domain, dtype,
-                                             check_keys=partial(parts.check_keys, me))
+                keys, values, _ = check_units(ch, i, "push", pushed.pop(i), parts.unit_width, domain, dtype,
+                                              check_keys=partial(parts.check_keys, me))
                 keys_in.append(keys)
                 values_in.append(values)
         units_in = sum(k.numel() for k in keys_in)
@@ -173,8 +182,9 @@ class ParallelScheme(ExchangeScheme):
         units each owner received (riding in the header: the cluster-wide figures auto learns from)."""
         n, me = ch.world_size, ch.rank
         ch.note_encoding("pull", read_header(msg).kind.name)
-        for step in range(1, n):
-            ch.send((me + step) % n, "pull", msg)
+        # the round in one call: our sum to every rank (staggered), then every owner's sum
+        got = ch.exchange("pull", [((me + step) % n, msg) for step in range(1, n)], [j for j in range(n) if j != me])
+        from_owner = dict(zip([j for j in range(n) if j != me], got, strict=True))
         pulled: list[Part] = []
         units_at_owner: list[int] = []
         for j in range(n):
@@ -183,8 +193,9 @@ class ParallelScheme(ExchangeScheme):
                 units_at_owner.append(units_in)
             else:
                 domain = parts.domain_size(j)
-                keys, values, header = recv_units(ch, j, "pull", parts.unit_width, domain, mine.source.dtype,
-                                                  keys_ascending=True, check_keys=partial(parts.check_keys, j))
+                keys, values, header = check_units(ch, j, "pull", from_owner.pop(j), parts.unit_width, domain,
+                                                   mine.source.dtype, keys_ascending=True,
+                                                   check_keys=partial(parts.check_keys, j))
                 with from_peer(ch, j, "pull"):  # the units its owner received: at least its sum's, n x domain at most
                     if not header.count <= header.aux <= n * domain:
                         raise ValueError(f"it received {header.aux} units for a sum of {header.count} (domain "
