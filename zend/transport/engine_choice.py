@@ -10,16 +10,28 @@ or `python`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
 from types import ModuleType
 
 ENGINES = ("auto", "native", "python")
 
 
 def load_native() -> tuple[ModuleType | None, str]:
-    """The native engine module, or None and why it cannot be loaded."""
+    """The native engine module, or None and why it cannot be loaded. ZEN_NATIVE_ENGINE names another
+    build of it to load instead (the sanitizer job's: scripts/native_build.sh --sanitize)."""
     try:
+        path = os.environ.get("ZEN_NATIVE_ENGINE")
+        if path and "zend._engine" not in sys.modules:
+            spec = importlib.util.spec_from_file_location("zend._engine", path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"ZEN_NATIVE_ENGINE={path!r} is not a loadable extension module")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules["zend._engine"] = module
         return importlib.import_module("zend._engine"), "the native engine loaded"
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         return None, f"the native engine is not available ({exc}); the Python data plane runs"
 
 
