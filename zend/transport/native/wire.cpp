@@ -82,6 +82,7 @@ void FrameParser::header_done() {
   if (!unpack_header(head_bytes_, &head_, &why)) return fail(why);
   state_ = State::Tag;
   got_ = 0;
+  if (head_.tag_len == 0 && !opener_) tag_done();  // nothing more to wait for before admission
 }
 
 void FrameParser::tag_done() {
