@@ -120,8 +120,8 @@ class RawPeer:
 def raw_peer(e: Any, peer: int, sealed: bool, tcp: bool = False) -> RawPeer:
     """A raw Python peer attached to engine `e` as rank `peer`."""
     s1, s2 = socket_pair(tcp)
-    k1, k2 = keys() if sealed else (None, None)
-    e.attach(peer, s1.fileno(), k1, k2)
+    k1, k2 = keys()
+    e.attach(peer, s1.fileno(), k1 if sealed else None, k2 if sealed else None)
     s1.close()
     return RawPeer(s2, frames_for(LinkCipher(k2, k1) if sealed else None))
 

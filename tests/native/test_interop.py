@@ -4,6 +4,7 @@ with the Python transport's words."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -37,18 +38,12 @@ def test_python_frames_to_engine_and_back(sealed: bool, tcp: bool) -> None:
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
 def test_an_abort_from_python_voids_here(sealed: bool) -> None:
-    import json
-
     with engines(1) as (e,):
         py = raw_peer(e, 1, sealed)
         py.send(ABORT, "job/7/1/0/", json.dumps({"code": "PEER_FAILED", "reason": "é \u2028 😀"}).encode())
         py.send(DATA, "after", b"ok")
         assert bytes(memoryview(e.recv(1, "after", 10.0))) == b"ok"
         assert e.voided("job/7/1/0/a/0") == ("PEER_FAILED", "é \u2028 😀")
-
-
-def _seal_head(py_frames: object, kind: int, tag: str, size: int) -> bytes:
-    return py_frames.head(kind, tag, size)  # type: ignore[attr-defined, no-any-return]
 
 
 def test_tampered_replayed_and_reordered_sealed_frames_drop_the_link() -> None:
@@ -62,9 +57,9 @@ def test_tampered_replayed_and_reordered_sealed_frames_drop_the_link() -> None:
                                      "reordered or not from this link's peer)")
 
         py = raw_peer(e, 1, sealed=True)  # a forged size in the clear header fails the same way
-        head = bytearray(py.frames.head(DATA, "t", 4))
-        head[12] = 5
-        py.send_raw(bytes(head))
+        forged = bytearray(py.frames.head(DATA, "t", 4))
+        forged[12] = 5
+        py.send_raw(bytes(forged))
         assert "failed authentication" in down_reason(e, 1)
 
         py = raw_peer(e, 1, sealed=True)  # a replayed frame: its numbers are spent
