@@ -4,8 +4,10 @@ Importing this skips the importing module when zend._engine is not built (it is 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +19,18 @@ from zend.transport.frames import DATA, FRAME, pack_frame, unpack_frame
 from zend.transport.framing import Frames, frames_for
 from zend.transport.sealing import LinkCipher
 
+
+def _load_engine_file(path: str) -> None:
+    """Loads a build of the engine from a file as zend._engine (scripts/native_build.sh --sanitize)."""
+    spec = importlib.util.spec_from_file_location("zend._engine", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["zend._engine"] = module
+
+
+if os.environ.get("ZEN_NATIVE_ENGINE"):
+    _load_engine_file(os.environ["ZEN_NATIVE_ENGINE"])
 native: Any = pytest.importorskip(
     "zend._engine",
     reason="zend._engine is not built (python setup.py build_ext --inplace needs g++ and OpenSSL headers)")
