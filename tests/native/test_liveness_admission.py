@@ -145,3 +145,26 @@ def test_a_closed_engine_refuses_calls_and_wakes_waiters() -> None:
         with pytest.raises(native.Closed):
             a.send(1, "t", b"")
         a.close()  # twice is fine
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+def test_what_a_peer_sent_before_it_left_is_still_received_after_backpressure(sealed: bool) -> None:
+    # no heartbeats to the peer: it closes with nothing unread, a hangup rather than a reset
+    with engines(1, max_buffered_bytes=2 * MiB, heartbeat_s=30.0, peer_timeout_s=60.0) as (b,):
+        peer = raw_peer(b, 2, sealed)
+        count = 12
+
+        def writer() -> None:
+            for i in range(count):
+                peer.send(DATA, "m", bytes([i]) * MiB)
+            peer.sock.close()  # gone, with frames still unread on our side
+
+        th = threading.Thread(target=writer)
+        th.start()
+        wait_for(lambda: b.buffered(2) == 2 * MiB)
+        time.sleep(0.2)  # held back: the rest waits in the sockets
+        for i in range(count):
+            got = b.recv(2, "m", 10.0)
+            assert len(got) == MiB and memoryview(got)[0] == i
+        th.join(10)
+        assert down_reason(b, 2) == "rank 2 disconnected: connection closed by peer"

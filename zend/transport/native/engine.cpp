@@ -578,6 +578,11 @@ void Engine::io_unregister(const LinkPtr& link) {
 void Engine::io_interest(const LinkPtr& link) {
   if (link->dead) return;
   uint32_t want = (link->held ? 0u : static_cast<uint32_t>(EPOLLIN)) | (link->queued ? EPOLLOUT : 0u);
+  if (want == 0 && link->hangup) {  // epoll reports a hangup whatever we ask: out of it until there is room
+    if (link->registered) epoll_ctl(epfd_, EPOLL_CTL_DEL, link->fd, nullptr);
+    link->registered = false;
+    return;
+  }
   if (link->registered && want == link->interest) return;
   epoll_event ev{};
   ev.events = want;
@@ -594,7 +599,7 @@ void Engine::io_read(const LinkPtr& link) {
   LinkSink sink(*this, *link);
   FrameParser& parser = link->parser;
   size_t budget = READ_BUDGET;
-  while (!link->dead && budget) {
+  while (!link->dead) {
     if (link->staged_from < link->staged_to) {  // bytes read before: parse them first
       size_t used = parser.feed(link->staging.get() + link->staged_from, link->staged_to - link->staged_from, sink);
       link->staged_from += used;
@@ -607,6 +612,7 @@ void Engine::io_read(const LinkPtr& link) {
       if (parser.failed()) return drop(link, parser.error());
       if (parser.held()) return;
     }
+    if (budget == 0) return;  // nothing staged is left behind: epoll (level-triggered) brings us back
     auto region = parser.direct();
     bool direct = region.second >= DIRECT_MIN;
     uint8_t* into = direct ? region.first : link->staging.get();
@@ -714,6 +720,7 @@ void Engine::io_loop() {
         }
         if (!ok) drop(link, "failed while sending: " + error);
       }
+      if (evs[i].events & (EPOLLHUP | EPOLLERR)) link->hangup = true;
       if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) io_read(link);
     }
     io_retry_held();

@@ -86,6 +86,7 @@ struct Link {
   double last_heard = 0;
   uint32_t interest = 0;  // epoll events registered
   bool registered = false;
+  bool hangup = false;  // epoll said EPOLLHUP/EPOLLERR: the peer is gone, what it sent may still be read
   std::atomic<bool> held{false};  // backpressure: not reading until recv makes room
   std::vector<uint8_t> abort_body;  // an ABORT frame's body while it lands
   MessagePtr landing;               // a DATA frame's payload while it lands
