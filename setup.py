@@ -13,7 +13,7 @@ except ImportError:  # no pybind11: the optional extension fails to build, the i
     INCLUDE = []
 
 NATIVE = "zend/transport/native"
-SOURCES = ["text", "seal", "wire", "abort_notice", "admission", "mailboxes", "engine", "bindings"]
+SOURCES = ["text", "pool", "seal", "wire", "abort_notice", "admission", "mailboxes", "engine", "bindings"]
 
 setup(
     ext_modules=[

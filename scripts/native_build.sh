@@ -44,7 +44,7 @@ fi
 
 mkdir -p "$outdir/obj"
 objects=()
-for name in text seal wire abort_notice admission mailboxes engine bindings; do
+for name in text pool seal wire abort_notice admission mailboxes engine bindings; do
     echo "compiling $name.cpp"
     "$cxx" "${flags[@]}" -c "$src/$name.cpp" -o "$outdir/obj/$name.o"
     objects+=("$outdir/obj/$name.o")

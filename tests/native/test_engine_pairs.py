@@ -28,7 +28,7 @@ def test_every_size_arrives_whole_both_ways(sealed: bool, tcp: bool) -> None:
             got, back = b.recv(0, f"s/{size}", 30.0), a.recv(1, f"s/{size}", 30.0)
             assert len(got) == size and bytes(memoryview(got)) == data
             assert bytes(memoryview(back)) == data[::-1]
-            assert memoryview(got).readonly and memoryview(got).format == "B"
+            assert memoryview(got).format == "B" and memoryview(got).readonly == (size == 0)  # writable: its own
         assert a.buffered() == b.buffered() == 0
 
 

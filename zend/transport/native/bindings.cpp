@@ -102,7 +102,7 @@ class Aborted(EngineError):
   py::class_<Message, MessagePtr>(m, "Message", py::buffer_protocol())
       .def_buffer([](Message& msg) {
         uint8_t* p = msg.size() ? msg.data() : const_cast<uint8_t*>(&kEmpty);
-        return py::buffer_info(p, 1, "B", 1, {static_cast<py::ssize_t>(msg.size())}, {1}, true);
+        return py::buffer_info(p, 1, "B", 1, {static_cast<py::ssize_t>(msg.size())}, {1}, msg.size() == 0);
       })
       .def("__len__", [](const Message& msg) { return msg.size(); })
       .def("__bytes__", [](Message& msg) {

@@ -289,7 +289,7 @@ bool Engine::flush(Link& link, std::string* error) {
     iovec iov[64];
     int n = 0;
     for (auto it = link.queue.begin(); it != link.queue.end() && n < 64; ++it, ++n) {
-      iov[n].iov_base = it->data.get() + it->off;
+      iov[n].iov_base = it->data.data() + it->off;
       iov[n].iov_len = it->len - it->off;
     }
     msghdr msg{};
@@ -341,8 +341,8 @@ bool Engine::send_frame(const LinkPtr& link, uint8_t kind, const std::string& ta
                         uint64_t size, std::string* error) {
   OutBuf buf;
   buf.len = frame_size(link->sealer != nullptr, tag.size(), size);
-  buf.data.reset(new uint8_t[buf.len]);
-  if (!build_frame(link->sealer.get(), kind, tag, data, size, buf.data.get())) {
+  buf.data = Block(buf.len);
+  if (!build_frame(link->sealer.get(), kind, tag, data, size, buf.data.data())) {
     *error = "sealing failed";
     return false;
   }

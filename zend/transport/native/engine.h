@@ -12,6 +12,7 @@
 //                  admission table, events, stalls, closed_, the I/O thread's to-do lists. Never
 //                  held across a system call that may block, nor across sealing or opening.
 //   Link::out_mu   one link's send queue and its socket writes (non-blocking, short).
+//   BufferPool's mutex (pool.h) is a leaf: taken under any of these, nothing under it.
 // The I/O thread alone owns each link's parser, read staging and last_heard.
 #pragma once
 #include <atomic>
@@ -56,7 +57,7 @@ struct Event {
 
 // Bytes ready to go: one frame (or several), written from `off`.
 struct OutBuf {
-  std::unique_ptr<uint8_t[]> data;
+  Block data;
   size_t len = 0, off = 0;
 };
 

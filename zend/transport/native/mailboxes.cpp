@@ -1,15 +1,6 @@
 #include "mailboxes.h"
 
-#include <cstdlib>
-#include <new>
-
 namespace zen {
-
-// malloc, not new[]: no zeroing of memory the payload overwrites at once.
-Message::Message(uint64_t size) : data_(static_cast<uint8_t*>(std::malloc(size ? size : 1))), size_(size) {
-  if (data_ == nullptr) throw std::bad_alloc();
-}
-Message::~Message() { std::free(data_); }
 
 bool Mailboxes::deliver(int src, const std::string& tag, MessagePtr msg) {
   if (voided(tag)) {

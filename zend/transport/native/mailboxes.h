@@ -12,23 +12,22 @@
 #include <utility>
 #include <vector>
 
+#include "pool.h"
+
 namespace zen {
 
 constexpr size_t MAX_ABORTED_PREFIXES = 16384;  // voided steps remembered (a late message is dropped)
 
-// One received payload, handed to Python as it is (buffer protocol, no copy).
+// One received payload, handed to Python as it is (buffer protocol, no copy); its block goes back to
+// the pool when the last reference goes.
 class Message {
  public:
-  explicit Message(uint64_t size);
-  ~Message();
-  Message(const Message&) = delete;
-  Message& operator=(const Message&) = delete;
-  uint8_t* data() { return data_; }
-  uint64_t size() const { return size_; }
+  explicit Message(uint64_t size) : block_(static_cast<size_t>(size)) {}
+  uint8_t* data() { return block_.data(); }
+  uint64_t size() const { return block_.size(); }
 
  private:
-  uint8_t* data_;
-  uint64_t size_;
+  Block block_;
 };
 using MessagePtr = std::shared_ptr<Message>;
 
