@@ -645,7 +645,21 @@ void Engine::io_retry_held() {
   }
 }
 
+bool Engine::io_stall_check(double from, double to) {
+  if (to - from <= peer_timeout_s_ / 2) return false;
+  // we stood still: the silence was ours, judge nobody for it
+  for (auto& [id, link] : io_links_) link->last_heard = std::max(link->last_heard, to);
+  std::lock_guard<std::mutex> lk(mu_);
+  stalls_.emplace_back(from, to);
+  if (stalls_.size() > 64) stalls_.pop_front();
+  stats_.stalls++;
+  push_event(Event{"stall", -1, 0, fmt_1f(to - from)});
+  return true;
+}
+
 void Engine::io_timers(double now) {
+  if (io_stall_check(now, monotonic_now())) return;  // stopped since the round began: judge nobody now
+  now = monotonic_now();
   std::vector<std::pair<LinkPtr, std::string>> drops;
   for (auto& [id, link] : io_links_) {
     if (link->dead) continue;
@@ -680,15 +694,7 @@ void Engine::io_loop() {
     int n = epoll_wait(epfd_, evs, 64, static_cast<int>(tick * 1000) + 1);
     double now = monotonic_now();
     if (stopping_) break;
-    double gap = now - last_tick_.load();
-    if (gap > peer_timeout_s_ / 2) {  // we stood still: the silence was ours, judge nobody this round
-      std::lock_guard<std::mutex> lk(mu_);
-      stalls_.emplace_back(last_tick_.load(), now);
-      if (stalls_.size() > 64) stalls_.pop_front();
-      stats_.stalls++;
-      push_event(Event{"stall", -1, 0, fmt_1f(gap)});
-      for (auto& [id, link] : io_links_) link->last_heard = std::max(link->last_heard, now);
-    }
+    io_stall_check(last_tick_.load(), now);  // between two rounds
     {
       std::vector<LinkPtr> add, remove;
       {
@@ -734,7 +740,9 @@ void Engine::io_loop() {
       else io_interest(link);
     }
     for (auto& link : dead) io_unregister(link);
-    last_tick_ = monotonic_now();  // after the work: the work is not a stall
+    double end = monotonic_now();
+    io_stall_check(now, end);  // within this round (stopped while at work)
+    last_tick_ = end;
   }
 }
 
