@@ -8,9 +8,12 @@ import json
 import struct
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.native.support import DATA, MiB, down_reason, engines, link, raw_peer
 from zend.transport.frames import ABORT, FRAME, HEARTBEAT
+from zend.transport.framing import Frames
 
 pytestmark = pytest.mark.inprocess
 
@@ -88,3 +91,28 @@ def test_garbage_of_every_length_never_crashes() -> None:
             hostile.sock.close()
             down_reason(a, 2)
         assert a.stats()["links_dropped"] == 4
+
+
+def _valid_stream(frames: Frames) -> bytes:
+    out = bytearray()
+    for kind, tag, payload in [(DATA, "job/1/2/0/reduce/0", b"x" * 300), (HEARTBEAT, "", b""),
+                               (ABORT, "job/1/2/0/", _notice("ABORTED", "r")), (DATA, "t", b"")]:
+        out += frames.head(kind, tag, len(payload)) + b"".join(bytes(p) for p in frames.pieces(memoryview(payload)))
+    return bytes(out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sealed=st.booleans(), flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), max_size=4),
+       cut=st.integers(0, 10_000), junk=st.binary(max_size=64))
+def test_mutated_streams_drop_the_link_or_pass_never_crash(sealed: bool, flips: list[tuple[int, int]], cut: int,
+                                                           junk: bytes) -> None:
+    with engines(1, world_size=3, max_message_bytes=1 << 20) as (a,):
+        hostile = raw_peer(a, 2, sealed)
+        stream = bytearray(_valid_stream(hostile.frames))
+        for at, bits in flips:
+            stream[at % len(stream)] ^= bits
+        hostile.send_raw(bytes(stream[: cut % (len(stream) + 1)]) + junk)
+        hostile.sock.close()
+        reason = down_reason(a, 2)
+        assert reason.startswith("rank 2 "), reason
+        assert a.buffered() <= 300
