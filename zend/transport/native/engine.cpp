@@ -155,7 +155,7 @@ Engine::Engine(int rank, int world_size, uint64_t max_buffered_bytes, uint64_t m
                double peer_timeout_s, double heartbeat_s, uint64_t max_discarded_bytes)
     : rank_(rank), world_size_(world_size), max_buffered_(max_buffered_bytes), max_message_(max_message_bytes),
       max_discarded_(max_discarded_bytes), peer_timeout_s_(peer_timeout_s), heartbeat_s_(heartbeat_s),
-      boxes_(world_size), discarded_by_peer_(static_cast<size_t>(world_size), 0) {
+      boxes_(world_size) {
   if (world_size <= 0 || rank < 0 || rank >= world_size) {
     throw EngineFailure{EngineFailure::Value, "rank " + std::to_string(rank) + " outside world size " +
                                                   std::to_string(world_size)};

@@ -175,7 +175,6 @@ class Engine {
   std::map<std::pair<std::string, int64_t>, int64_t> last_steps_;
   std::vector<LinkPtr> to_add_, to_remove_;  // for the I/O thread
   Stats stats_;
-  std::vector<uint64_t> discarded_by_peer_;
 
   std::atomic<double> last_tick_{0};  // the I/O loop's last round (stall detection)
   std::atomic<bool> stopping_{false};
