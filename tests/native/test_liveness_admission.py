@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.native.support import DATA, MiB, down_reason, engines, link, native, raw_peer, wait_for
+from tests.native.support import DATA, MiB, down_reason, engines, link, native, pack_frame, raw_peer, wait_for
 
 pytestmark = pytest.mark.inprocess
 
@@ -168,3 +168,39 @@ def test_what_a_peer_sent_before_it_left_is_still_received_after_backpressure(se
             assert len(got) == MiB and memoryview(got)[0] == i
         th.join(10)
         assert down_reason(b, 2) == "rank 2 disconnected: connection closed by peer"
+
+
+def test_a_payload_still_arriving_is_life() -> None:
+    with engines(1, peer_timeout_s=0.4, heartbeat_s=0.05) as (a,):
+        slow = raw_peer(a, 2, sealed=False)
+        slow.send_raw(pack_frame("slow", 20))
+        for _ in range(12):  # 1.2 s, three peer timeouts, a byte at a time
+            time.sleep(0.1)
+            slow.send_raw(b"s")
+        slow.send_raw(b"s" * 8)
+        assert bytes(memoryview(a.recv(2, "slow", 5.0))) == b"s" * 20
+        assert a.stats()["up_2"] == 1
+
+
+def test_detach_drops_the_link_with_the_reason_given() -> None:
+    with engines(2) as (a, b):
+        serial, _ = link(a, b, sealed=True)
+        a.detach(1, "dropped by the test")
+        assert ("down", 1, serial, "rank 1 dropped by the test") in a.next_events(1.0)
+        with pytest.raises(native.LinkDown, match="rank 0: rank 1 dropped by the test"):
+            a.recv(1, "t", 5.0)
+        assert down_reason(b, 0) == "rank 0 disconnected: connection closed by peer"
+        stats = a.stats()
+        assert stats["up_1"] == 0 and stats["connects_1"] == 1 and stats["links_dropped"] == 1
+
+
+def test_discarded_messages_are_told_once_then_every_thousandth() -> None:
+    with engines(2) as (a, b):
+        link(a, b, sealed=True)
+        b.set_admission(True, 1 << 20, 1024)
+        for i in range(2000):
+            a.send(1, f"j/{i}/0/0/reduce/0", b"junk")
+        a.send(1, "j/0/0/0/agree/0", b"m")
+        assert bytes(memoryview(b.recv(0, "j/0/0/0/agree/0", 10.0))) == b"m"
+        counts = [count for what, _, count, _ in b.next_events(0.0) if what == "discarded"]
+        assert counts == [1, 1000, 2000] and b.stats()["discarded"] == 2000 and b.buffered() == 0
