@@ -510,6 +510,11 @@ std::map<std::string, int64_t> Engine::stats() {
   out["stalls"] = n(stats_.stalls);
   out["links_dropped"] = n(stats_.links_dropped);
   std::lock_guard<std::mutex> lk(mu_);
+  const BufferPool::Counts pool = BufferPool::instance().counts();  // process-wide: received and sent blocks
+  out["pool_reused"] = static_cast<int64_t>(pool.reused);
+  out["pool_allocated"] = static_cast<int64_t>(pool.allocated);
+  out["pool_unpooled"] = static_cast<int64_t>(pool.unpooled);
+  out["pool_bytes"] = static_cast<int64_t>(pool.pooled_bytes);
   out["dropped"] = static_cast<int64_t>(boxes_.dropped);
   out["buffered"] = static_cast<int64_t>(boxes_.buffered(-1));
   for (int j = 0; j < world_size_; ++j) {

@@ -35,7 +35,9 @@
 
 namespace zen {
 
-constexpr uint64_t MAX_QUEUED_BYTES = 64ull << 20;  // a sender waits beyond this much queued for a peer
+// A sender waits beyond this much queued for a peer (one frame of any size still goes on an empty queue):
+// with the sockets' own buffers it bounds what a held-back receiver lets a sender run ahead by.
+constexpr uint64_t MAX_QUEUED_BYTES = 8ull << 20;
 constexpr size_t REPLAYED_ABORTS = 256;
 constexpr size_t MAX_EVENTS = 4096;  // next_events' backlog (oldest dropped beyond)
 

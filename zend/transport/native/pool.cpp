@@ -23,14 +23,21 @@ BufferPool& BufferPool::instance() {
 uint8_t* BufferPool::take(size_t size, size_t* capacity) {
   size_t cap = size < MIN_POOLED ? (size ? size : 1) : size_class(size);
   *capacity = cap;
-  if (cap >= MIN_POOLED) {
+  {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = free_.find(cap);
-    if (it != free_.end() && !it->second.empty()) {
-      uint8_t* p = it->second.back();
-      it->second.pop_back();
-      free_bytes_ -= cap;
-      return p;
+    if (cap < MIN_POOLED) {
+      counts_.unpooled++;
+    } else {
+      auto it = free_.find(cap);
+      if (it != free_.end() && !it->second.empty()) {
+        uint8_t* p = it->second.back();
+        it->second.pop_back();
+        free_bytes_ -= cap;
+        counts_.reused++;
+        return p;
+      }
+      counts_.allocated++;
+      counts_.pooled_bytes += cap;
     }
   }
   // malloc, not new[]: nothing zeroes memory that the payload overwrites at once
@@ -47,8 +54,14 @@ void BufferPool::give(uint8_t* data, size_t capacity) {
       free_bytes_ += capacity;
       return;
     }
+    counts_.pooled_bytes -= capacity;  // freed, not kept
   }
   std::free(data);
+}
+
+BufferPool::Counts BufferPool::counts() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return counts_;
 }
 
 Block::Block(size_t size) : data_(BufferPool::instance().take(size, &capacity_)), size_(size) {}

@@ -37,10 +37,17 @@ class BufferPool {
   uint8_t* take(size_t size, size_t* capacity);
   void give(uint8_t* data, size_t capacity);
 
+  // receive_pool.py's PoolStats: blocks reused, blocks made, small ones not pooled, bytes of pooled blocks
+  struct Counts {
+    uint64_t reused = 0, allocated = 0, unpooled = 0, pooled_bytes = 0;
+  };
+  Counts counts();
+
  private:
   std::mutex mu_;
   std::map<size_t, std::vector<uint8_t*>> free_;  // by capacity
   size_t free_bytes_ = 0;
+  Counts counts_;  // under mu_
 };
 
 }  // namespace zen
