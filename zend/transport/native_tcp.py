@@ -33,6 +33,15 @@ log = logging.getLogger("zend.transport")
 _EVENT_WAIT_S = 0.2
 
 
+def _host_bytes(payload: torch.Tensor) -> Any:
+    """A payload's bytes as a buffer the engine reads (host memory: tcp:// stages GPU tensors through it)."""
+    if payload.dtype is not torch.uint8 or not payload.is_contiguous():
+        payload = payload.contiguous().view(torch.uint8)
+    if payload.is_cuda:
+        payload = payload.cpu()
+    return payload.numpy()
+
+
 def _tensor(message: Any) -> torch.Tensor:
     """A received message as a 1-D uint8 tensor over the engine's memory (no copy; the memory returns to
     the engine's pool once the tensor is gone)."""
@@ -180,12 +189,10 @@ class NativeTcpTransport(TcpTransport):
                 pass
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
-        self._linked(dst)
-        data = payload.contiguous().view(torch.uint8)
-        if data.is_cuda:
-            data = data.cpu()  # tcp:// stages GPU tensors through the host
+        if dst not in self._serials:  # once the engine holds a link, it says itself if it is lost
+            self._linked(dst)
         try:
-            self.engine.send(dst, tag, memoryview(data.numpy()))  # type: ignore[arg-type]
+            self.engine.send(dst, tag, _host_bytes(payload))
         except self._native.EngineError as exc:
             raise self._error(exc) from None
 
@@ -200,15 +207,12 @@ class NativeTcpTransport(TcpTransport):
     def exchange(self, sends: Sequence[tuple[int, str, torch.Tensor]], recvs: Sequence[tuple[int, str]],
                  timeout_s: float | None = None) -> list[torch.Tensor]:
         """One round in one call into the engine: every send queued, then every receive awaited."""
-        for dst in {dst for dst, _, _ in sends}:
+        for dst in {dst for dst, _, _ in sends if dst not in self._serials}:
             self._linked(dst)
         for src, _ in recvs:
             if src not in self.peers:
                 raise CommError(f"rank {self.rank}: invalid peer {src} (world size {self.world_size})")
-        views = []
-        for dst, tag, payload in sends:
-            data = payload.contiguous().view(torch.uint8)
-            views.append((dst, tag, memoryview((data.cpu() if data.is_cuda else data).numpy())))  # type: ignore[arg-type]
+        views = [(dst, tag, _host_bytes(payload)) for dst, tag, payload in sends]
         try:
             got = self.engine.exchange(views, list(recvs), self.timeout_s if timeout_s is None else timeout_s)
         except self._native.EngineError as exc:
