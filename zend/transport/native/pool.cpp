@@ -64,7 +64,8 @@ BufferPool::Counts BufferPool::counts() {
   return counts_;
 }
 
-Block::Block(size_t size) : data_(BufferPool::instance().take(size, &capacity_)), size_(size) {}
+// (in the body: capacity_'s default initializer would run after data_'s and forget the capacity)
+Block::Block(size_t size) : size_(size) { data_ = BufferPool::instance().take(size, &capacity_); }
 Block::~Block() { release(); }
 Block::Block(Block&& other) noexcept : data_(other.data_), size_(other.size_), capacity_(other.capacity_) {
   other.data_ = nullptr;
