@@ -1,7 +1,9 @@
 """CPU per message-side of the data plane, and one link's throughput, for each engine (issue 26).
 
 Two ranks in two processes on loopback, one transport each (the daemons' shape): this process sends a
-stream of messages of one size, a child process (`--peer`) receives every one and acknowledges the batch.
+stream of messages of one size, a child process (`--peer`) receives every one and acknowledges the batch,
+either one `recv` per message (`stream`: the receiver wakes for each) or in rounds of ROUND messages taken
+with one `exchange` (`round`: how a scheme takes a round's messages from its n - 1 peers).
 Each side reports its own process CPU time (getrusage: every thread, the engine's I/O thread included)
 over the batch; CPU per message-side is that divided by the messages. Wall time mixes both processes'
 CPU on a 2-core machine; CPU per side is what a node with its own cores pays. Pairs: python-python,
@@ -27,6 +29,7 @@ from zend.transport import create
 from zend.transport.engine_choice import load_native
 
 SMALL = [64, 4 << 10, 64 << 10]  # CPU per message-side
+ROUND = 16  # messages taken per exchange in the round mode
 BIG = 16 << 20  # throughput
 PAIRS = {"python": ("python", "python"), "native": ("native", "native"), "mixed": ("native", "python"),
          "mixed-reverse": ("python", "native")}
@@ -41,7 +44,7 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def peer(engine: str, security: str) -> None:
+def peer(engine: str, security: str, mode: str) -> None:
     """Rank 1: receive every batch, then report its CPU and acknowledge."""
     t = create("tcp://127.0.0.1:0", 1, 2, engine=engine, cluster_id="bench",
                secret=os.environ["ZEN_CLUSTER_SECRET"].encode(), timeout_s=120, security=security)
@@ -50,19 +53,24 @@ def peer(engine: str, security: str) -> None:
     for size in [*SMALL, BIG]:
         t.recv(0, f"warm{size}")
         c0 = cpu()
-        for i in range(count(size)):
-            t.recv(0, f"m{size}/{i}")
+        n = count(size)
+        if mode == "round":
+            for start in range(0, n, ROUND):
+                t.exchange([], [(0, f"m{size}/{i}") for i in range(start, min(n, start + ROUND))])
+        else:
+            for i in range(n):
+                t.recv(0, f"m{size}/{i}")
         used = cpu() - c0
         t.send(0, f"ack{size}", torch.tensor([used], dtype=torch.float64).view(torch.uint8))
     t.recv(0, "bye")
     t.close()
 
 
-def measure(sender: str, receiver: str, security: str) -> dict[str, object]:
+def measure(sender: str, receiver: str, security: str, mode: str) -> dict[str, object]:
     secret = secrets.token_hex(16)
     me = create("tcp://127.0.0.1:0", 0, 2, engine=sender, cluster_id="bench", secret=secret.encode(),
                 timeout_s=120, security=security)
-    child = subprocess.Popen([sys.executable, __file__, "--peer", receiver, "--security", security],
+    child = subprocess.Popen([sys.executable, __file__, "--peer", receiver, "--security", security, "--mode", mode],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "ZEN_CLUSTER_SECRET": secret})
     assert child.stdin is not None and child.stdout is not None
@@ -71,7 +79,7 @@ def measure(sender: str, receiver: str, security: str) -> dict[str, object]:
         child.stdin.write(f"{me.port}\n")
         child.stdin.flush()
         me.connect({0: me.address, 1: ("127.0.0.1", port)})
-        row: dict[str, object] = {"sender": sender, "receiver": receiver, "security": security}
+        row: dict[str, object] = {"sender": sender, "receiver": receiver, "security": security, "mode": mode}
         for size in [*SMALL, BIG]:
             payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
             me.send(1, f"warm{size}", payload)
@@ -102,11 +110,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default="python,native,mixed,mixed-reverse")
     p.add_argument("--security", default="aead,none")
+    p.add_argument("--modes", default="stream,round")
+    p.add_argument("--mode", default="stream", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     p.add_argument("--peer", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.peer:
-        peer(args.peer, args.security)
+        peer(args.peer, args.security, args.mode)
         return
     native, why = load_native()
     rows = []
@@ -116,17 +126,19 @@ def main() -> None:
             print(f"skipping {pair}: {why}", file=sys.stderr)
             continue
         for security in args.security.split(","):
-            rows.append(measure(sender, receiver, security))
+            for mode in args.modes.split(","):
+                rows.append(measure(sender, receiver, security, mode))
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    head = (f"{'sender':>7} {'recv':>7} {'seal':>5} | " + " | ".join(f"{s:>6} B send/recv/wall us" for s in SMALL)
-            + f" | {BIG >> 20} MiB GB/s, send/recv CPU ms")
+    head = (f"{'sender':>7} {'recv':>7} {'seal':>5} {'mode':>6} | "
+            + " | ".join(f"{s:>6} B send/recv/wall us" for s in SMALL) + f" | {BIG >> 20} MiB GB/s, send/recv CPU ms")
     print(head)
     for r in rows:
-        cells = " | ".join(f"{r[f'send_us_{s}']:7.1f} {r[f'recv_us_{s}']:7.1f} {r[f'wall_us_{s}']:7.1f}" for s in SMALL)
-        print(f"{r['sender']:>7} {r['receiver']:>7} {r['security']:>5} | {cells} | {r['big_gb_s']:5.2f}, "
-              f"{r['big_send_cpu_ms']:.1f}/{r['big_recv_cpu_ms']:.1f}")
+        cells = " | ".join(f"{r[f'send_us_{s}']:7.1f} {r[f'recv_us_{s}']:7.1f} {r[f'wall_us_{s}']:7.1f}"
+                           for s in SMALL)
+        print(f"{r['sender']:>7} {r['receiver']:>7} {r['security']:>5} {r['mode']:>6} | {cells} | "
+              f"{r['big_gb_s']:5.2f}, {r['big_send_cpu_ms']:.1f}/{r['big_recv_cpu_ms']:.1f}")
 
 
 if __name__ == "__main__":
