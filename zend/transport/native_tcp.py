@@ -96,14 +96,15 @@ class NativeTcpTransport(TcpTransport):
     def link_up(self, j: int, link: Any, cipher: LinkCipher | None, first: bool) -> Exception | None:
         """(PeerLinks, under the peer's send lock) The authenticated socket and its keys go to the engine,
         which replays its recent aborts on it before anything else; Python reads it no more."""
-        try:
-            self._prepare_link(link)
-            send_key, recv_key = (cipher.keys if cipher is not None else (None, None))
-            serial = self.engine.attach(j, link.fileno(), send_key, recv_key)
-        except Exception as exc:
-            return exc
+        send_key, recv_key = (cipher.keys if cipher is not None else (None, None))
+        # under the condition the events thread takes: the engine may drop the link (a peer that sends
+        # junk at once) before attach returns, and its "down" must find the serial it names
         with self._cond:
-            self._serials[j], self._links[j] = serial, link
+            try:
+                self._prepare_link(link)
+                self._serials[j], self._links[j] = self.engine.attach(j, link.fileno(), send_key, recv_key), link
+            except Exception as exc:
+                return exc
         return None
 
     def receive_on(self, j: int, link: Any) -> None:
