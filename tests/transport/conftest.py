@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -177,7 +178,12 @@ class RankProcesses:
             proc.wait(10)
 
 
-@pytest.fixture(scope="module", params=["tcp", "tcp+native", "tcp+mixed", "ucx"])
+# ZEN_TEST_SCHEMES narrows them: `make test` leaves tcp+native to `make native-check`, which runs it on
+# the sanitized build of the engine
+SCHEMES = os.environ.get("ZEN_TEST_SCHEMES", "tcp,tcp+native,tcp+mixed,ucx").split(",")
+
+
+@pytest.fixture(scope="module", params=SCHEMES)
 def scheme(request) -> str:  # type: ignore[no-untyped-def]
     """The transport under test: every test here runs against each backend and engine."""
     if request.param == "ucx":
