@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: int, workload: str = "rows",
-        schemes: str | None = None, security: str = "aead") -> dict[str, dict[str, float]]:
+        schemes: str | None = None, security: str = "aead", engine: str = "python") -> dict[str, dict[str, float]]:
     env = dict(os.environ, ZEN_CLUSTER_SECRET=secrets.token_hex(16), UCX_TLS="tcp", PYTHONPATH=str(ROOT))
     with EmulatedCluster(n, rate_mbit=rate_mbit) as cluster:
         procs = []
@@ -48,7 +48,7 @@ def run(n: int, rate_mbit: float, transport: str, dim: int, steps: int, seqs: in
             argv = [sys.executable, str(ROOT / "benchmarks" / "emulated_worker.py"), "--uri",
                     f"{transport}://{cluster.address(r)}:0", "--rank", str(r), "--world-size", str(n),
                     "--master", f"{cluster.address(0)}:29612", "--dim", str(dim), "--steps", str(steps),
-                    "--seqs", str(seqs), "--workload", workload, "--security", security,
+                    "--seqs", str(seqs), "--workload", workload, "--security", security, "--engine", engine,
                     *(["--schemes", schemes] if schemes else [])]
             procs.append(cluster.popen(r, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         ports = []
@@ -89,20 +89,23 @@ def main() -> None:
                    help="rows: GPT-2 embedding rows; topk: 1%% of a 25M-element dense gradient")
     p.add_argument("--schemes", default=None, help="comma-separated subset (default: all, and auto)")
     p.add_argument("--security", default="aead", help="aead (sealed frames), none (clear), or both: aead,none")
+    p.add_argument("--engine", default="python",
+                   help="tcp:// data-plane engine: python, native (zend._engine), or both: python,native")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     args = p.parse_args()
     rows = []
-    for rate_mbit, n, security in ((float(r), int(n), sec) for r in args.rate_mbit.split(",")
-                               for n in args.nodes.split(",") for sec in args.security.split(",")):
+    for rate_mbit, n, security, engine in ((float(r), int(n), sec, e) for r in args.rate_mbit.split(",")
+                                           for n in args.nodes.split(",") for sec in args.security.split(",")
+                                           for e in args.engine.split(",")):
         rate = rate_mbit * 1e6 / 8
         res = run(n, rate_mbit, args.transport, args.dim, args.steps, args.seqs, args.workload, args.schemes,
-                  security)
+                  security, engine)
         gs, gd = res["gloo_sparse"]["seconds"], res["gloo_dense"]["seconds"]
         ours = {k: v["seconds"] for k, v in res.items() if not k.startswith("gloo") and k not in ("auto", "commit")}
         fastest = min(ours, key=lambda k: ours[k]) if ours else ""
         for name, r in res.items():
             wire = r["bottleneck"] / rate if r["bottleneck"] else 0.0
-            rows.append({"rate_mbit": rate_mbit, "n": n, "security": security, "scheme": name,
+            rows.append({"rate_mbit": rate_mbit, "n": n, "security": security, "engine": engine, "scheme": name,
                          "ms": r["seconds"] * 1e3,
                          "wire_ms": wire * 1e3, "time_over_wire": r["seconds"] / wire if wire else None,
                          "vs_gloo_sparse": gs / r["seconds"], "vs_gloo_dense": gd / r["seconds"],
@@ -115,14 +118,16 @@ def main() -> None:
     what = (f"GPT-2 trace ({args.seqs}x512 tokens per rank), rows of {args.dim} fp32" if args.workload == "rows"
             else "top-k 1% of a 25M-element fp32 gradient")
     print(f"emulated cluster, transport {args.transport}, {what}, median of {args.steps} steps")
-    print(f"{'Mbit/s':>7} {'n':>3} {'frames':<6} {'scheme':<12} {'time ms':>9} {'wire ms':>9} {'time/wire':>9} "
+    print(f"{'Mbit/s':>7} {'n':>3} {'frames':<6} {'engine':<6} {'scheme':<12} {'time ms':>9} {'wire ms':>9} "
+          f"{'time/wire':>9} "
           f"{'vs fastest':>10} {'cpu ms/rank':>11} {'vs gloo sparse':>15} {'vs gloo dense':>14}")
     for r in rows:
         ratio = f"{r['time_over_wire']:9.2f}" if r["time_over_wire"] else f"{'-':>9}"
         fast = f"{r['vs_fastest']:10.2f}" if r["vs_fastest"] else f"{'-':>10}"
         label = r["scheme"] + (f" ({r['choice']})" if r["choice"] else "")
         cpu = f"{r['cpu_ms_per_rank']:11.1f}" if r["cpu_ms_per_rank"] else f"{'-':>11}"
-        print(f"{r['rate_mbit']:>7g} {r['n']:>3} {r['security']:<6} {label:<12} {r['ms']:9.1f} {r['wire_ms']:9.1f} "
+        print(f"{r['rate_mbit']:>7g} {r['n']:>3} {r['security']:<6} {r['engine']:<6} {label:<12} {r['ms']:9.1f} "
+              f"{r['wire_ms']:9.1f} "
               f"{ratio} {fast} {cpu} {r['vs_gloo_sparse']:14.2f}x {r['vs_gloo_dense']:13.2f}x")
 
 

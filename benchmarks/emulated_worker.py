@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--security", default="aead", choices=["aead", "none"], help="the data plane's frames")
+    p.add_argument("--engine", default="python", choices=["python", "native"], help="the tcp:// data-plane engine")
     args = p.parse_args()
     torch.set_num_threads(1)
     tune_allocator()
@@ -70,8 +71,8 @@ def main() -> None:
         grads = [trace.embedding_grad(args.rank, s, args.dim) for s in range(args.steps + 1)]
     else:
         grads = [topk_grad(args.rank, s, args.topk_elements) for s in range(args.steps + 1)]
-    transport = create(args.uri, args.rank, args.world_size, cluster_id="bench", secret=load_secret(), timeout_s=120,
-                       security=args.security)
+    transport = create(args.uri, args.rank, args.world_size, engine=args.engine, cluster_id="bench",
+                       secret=load_secret(), timeout_s=120, security=args.security)
     print(f"PORT {transport.address[1]}", flush=True)
     peers = {int(k): (v[0], int(v[1])) for k, v in json.loads(sys.stdin.readline()).items()}
     transport.connect(peers)
