@@ -25,6 +25,7 @@ from zend.daemon.commands import format_status, message_dict
 from zend.daemon.membership import ADDRESS_VARIABLES, NODE_COUNT_VARIABLES, NODE_RANK_VARIABLES, PORT_VARIABLE
 from zend.daemon.secret import SECRET_ENV, SECRET_FILE_ENV
 from zend.protocol.session import TrainerSession
+from zend.transport.engine_choice import choose_engine
 
 HEAVY_MODULES = ("torch", "numpy", "numba", "grpc", "google.protobuf", "zend.api.zen.v1.zen_pb2")
 SECRET = "cli-ergonomics-test-secret"
@@ -137,7 +138,8 @@ def test_status_table_and_json_from_live_daemons(tmp_path):
     assert "wte" not in redacted.stdout and c.peers[1] not in redacted.stdout
     assert "sessions: 1; tensors: 1 (redacted" in redacted.stdout
     assert table.startswith("node 0 of 2, generation 0, cluster 'zen', zend "), table
-    assert "membership static; transport tcp;" in table
+    engine = choose_engine("auto", "tcp")[0]  # the daemons' default: native wherever the engine was built
+    assert f"membership static; transport tcp ({engine} engine);" in table
     peers = table.split("peers (1):\n")[1].splitlines()
     assert peers[0].split() == ["rank", "address", "state"]
     assert peers[1].split() == ["1", c.peers[1], "connected"]
