@@ -62,8 +62,7 @@ class NativeTcpTransport(TcpTransport):
         self.engine = native.Engine(rank, world_size, max_buffered_bytes=self.mailboxes.max_buffered_bytes,
                                     max_message_bytes=self.max_message_bytes, peer_timeout_s=self.timeout_s,
                                     heartbeat_s=self.liveness.heartbeat_s, max_discarded_bytes=MAX_DISCARDED_BYTES)
-        self._serials: dict[int, int] = {}  # peer -> the serial of the link the engine holds for it
-        self._links: dict[int, Any] = {}  # peer -> that link's socket (Python's side of it)
+        self._held: dict[int, tuple[int, Any]] = {}  # peer -> (serial, socket) of the link the engine holds
 
     # ------------------------------------------------------------------ admission: judged in the engine
     def judge_in_engine(self, step_window: int, max_agreement_bytes: int) -> None:
@@ -102,7 +101,7 @@ class NativeTcpTransport(TcpTransport):
         with self._cond:
             try:
                 self._prepare_link(link)
-                self._serials[j], self._links[j] = self.engine.attach(j, link.fileno(), send_key, recv_key), link
+                self._held[j] = (self.engine.attach(j, link.fileno(), send_key, recv_key), link)
             except Exception as exc:
                 return exc
         return None
@@ -122,7 +121,8 @@ class NativeTcpTransport(TcpTransport):
                 if kind == "down":
                     text = text.removeprefix(f"rank {peer} ")  # PeerLinks names the peer, with its address
                     with self._cond:
-                        link = self._links.get(peer) if self._serials.get(peer) == number else None
+                        serial, link = self._held.get(peer, (None, None))
+                        link = link if serial == number else None
                     if link is not None:
                         self.links.fail(peer, link, text)
                 elif kind == "stall":
@@ -134,10 +134,9 @@ class NativeTcpTransport(TcpTransport):
 
     def _close_link(self, link: Any) -> None:
         with self._cond:
-            peers = [j for j, mine in self._links.items() if mine is link]
+            peers = [j for j, (_, mine) in self._held.items() if mine is link]
             for j in peers:
-                del self._links[j]
-                self._serials.pop(j, None)
+                del self._held[j]
         for j in peers:
             with contextlib.suppress(self._native.Closed):
                 self.engine.detach(j, "link closed")
@@ -185,12 +184,12 @@ class NativeTcpTransport(TcpTransport):
         """Wait until rank dst's link is up and in the engine: a first connection may still be coming (a
         lost one fails now), and a link PeerLinks has published is handed to the engine under its send lock."""
         peer = self.links.live_link(dst)
-        if dst not in self._serials:
+        if dst not in self._held:
             with peer.send_lock:
                 pass
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
-        if dst not in self._serials:  # once the engine holds a link, it says itself if it is lost
+        if dst not in self._held:  # once the engine holds a link, it says itself if it is lost
             self._linked(dst)
         try:
             self.engine.send(dst, tag, _host_bytes(payload))
@@ -208,7 +207,7 @@ class NativeTcpTransport(TcpTransport):
     def exchange(self, sends: Sequence[tuple[int, str, torch.Tensor]], recvs: Sequence[tuple[int, str]],
                  timeout_s: float | None = None) -> list[torch.Tensor]:
         """One round in one call into the engine: every send queued, then every receive awaited."""
-        for dst in {dst for dst, _, _ in sends if dst not in self._serials}:
+        for dst in {dst for dst, _, _ in sends if dst not in self._held}:
             self._linked(dst)
         for src, _ in recvs:
             if src not in self.peers:
