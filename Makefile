@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO   := $(VENV)/.installed-demo
 
 NATIVE := setup.py $(wildcard zend/transport/native/*.cpp zend/transport/native/*.h)
 ASAN   := build/asan
@@ -11,23 +12,30 @@ SANITIZED = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-n
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ZEN_NATIVE_ENGINE="$$(ls $(ASAN)/_engine*.so)"
 
 # the install builds the native engine (zend._engine) where g++ and OpenSSL's headers are; where not,
-# it goes on without it and zend runs the Python data plane
+# it goes on without it and zend runs the Python data plane. The demo's install is the daemon's
+# (tcp on loopback: no UCX, no test tools); the tests' adds the dev and ucx extras.
+$(DEMO): pyproject.toml constraints.txt $(NATIVE)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[daemon]'
+	touch $(DEMO)
+
 $(STAMP): pyproject.toml constraints.txt $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,ucx]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[daemon,dev,ucx]'
+	touch $(STAMP) $(DEMO)
 
 .PHONY: help setup demo cluster simulate test test-fast native-check lint clean bench compose
-setup: $(STAMP)  ## the virtualenv .venv: the project (editable) with its dev and ucx extras
+setup: $(STAMP)  ## the virtualenv .venv: the project (editable) with its daemon, dev and ucx extras
 
-demo: $(STAMP)  ## the main job: a local zend cluster (2 nodes x 2 trainers) training a GPT-style model on real text
+demo: $(DEMO)  ## the main job: a local zend cluster (2 nodes x 2 trainers) training a GPT-style model on real text
 	$(BIN)/python examples/gpt_sparse.py --launch --nodes 2 --trainers 2 --backend zen --steps 100
 
-cluster: $(STAMP)  ## 4 zend daemons, 2 trainers each, real embedding gradients, every sum checked
+cluster: $(DEMO)  ## 4 zend daemons, 2 trainers each, real embedding gradients, every sum checked
 	$(BIN)/zend cluster --nodes 4 --trainers 2 --steps 5
 
-simulate: $(STAMP)  ## every scheme on the real trace in one process, n = 4..128
+simulate: $(DEMO)  ## every scheme on the real trace in one process, n = 4..128
 	$(BIN)/zend simulate
 
 help:  ## every target and what it does

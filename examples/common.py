@@ -84,28 +84,12 @@ def last_stats(backend: str, client: Any, model: nn.Module, param: str, prefix: 
 
 
 def step_surviving_faults(run: Callable[[], torch.Tensor], client: Any, hook: Any) -> torch.Tensor:
-    """run() (forward, backward, optimiser step); when zen aborts the step (a node lost or restarted,
-    a trainer gone), wait until the cluster is whole and redo it from the same state: the optimiser
-    has not stepped, and every trainer of the job redoes the same step, so the run's losses are
-    those of a run without the fault."""
+    """zen.step_surviving_faults (redo a step zen aborted, once the cluster is whole); without zen, run()."""
     if client is None:
         return run()
     import zen
 
-    for _ in range(5):
-        try:
-            return run()
-        except RuntimeError as exc:  # DDP hands the hook's failure to backward() as a RuntimeError
-            try:
-                if isinstance(exc, zen.ZenError):
-                    raise
-                hook.reraise(exc)
-                raise
-            except (zen.StepAborted, zen.DaemonUnavailable) as fault:  # redo the step
-                print(f"rank {os.environ.get('RANK', '?')}: {type(fault).__name__}: {fault}; waiting for the "
-                      "cluster, then redoing the step", file=sys.stderr, flush=True)
-                client.wait_ready(120)
-    return run()
+    return zen.step_surviving_faults(run, client, hook)
 
 
 def fault_point(args: argparse.Namespace, rank: int, step: int) -> None:

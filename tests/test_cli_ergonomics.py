@@ -55,7 +55,7 @@ print(json.dumps({"out": out.getvalue(), "heavy": heavy}))
 
 @pytest.mark.daemon
 @pytest.mark.parametrize("argv, expect", [
-    (["--help"], "{simulate,serve,status,health,store,secret,token,cluster}"),
+    (["--help"], "{simulate,serve,status,health,store,secret,token,cluster,launch}"),
     (["--version"], "zend "),
     (["token", "--job", "j"], ""),
     (["token", "--operator"], ""),

@@ -17,7 +17,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-CONTRIBUTORS = ("zend.simulator.command", "zend.daemon.commands", "zend.cluster.command")
+CONTRIBUTORS = ("zend.simulator.command", "zend.daemon.commands", "zend.cluster.command", "zend.cluster.launch")
+# what the daemon's commands import that a trainer's install (`pip install zen-sync`) lacks
+DAEMON_EXTRA = frozenset({"numba", "llvmlite", "cryptography", "prometheus_client", "grpc_reflection"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in DAEMON_EXTRA:
+            raise
+        print(f"zend {args.command}: needs the daemon's dependencies, and {exc.name} is not installed: "
+              "pip install 'zen-sync[daemon]'", file=sys.stderr)
+        return 2
     return code
 
 

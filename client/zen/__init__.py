@@ -1,6 +1,11 @@
 """zen: sparse gradient synchronisation through the node's zend daemon (ZEN scheme, OSDI 2025).
 
     import zen
+    zen.init()                          # torchrun's variables: init_process_group("zen"), the client
+    ddp = DistributedDataParallel(model)
+
+(`zend launch --nodes 2 --trainers 2 -- train.py` runs it with the daemons beside it), or by hand:
+
     dist.init_process_group("zen")      # the torch.distributed backend: sparse all_reduce via zend
     ddp = DistributedDataParallel(model)
 
@@ -25,6 +30,8 @@ from zen.errors import (
     StepTimeout,
     ZenError,
 )
+from zen.retry import step_surviving_faults
+from zen.start import init
 from zend.protocol.version import daemon_version as _version
 
 __version__ = _version()  # the distribution's (zen-sync): client and daemon ship together
@@ -45,5 +52,7 @@ __all__ = [
     "__version__",
     "comm_hook",
     "distributed",
+    "init",
+    "step_surviving_faults",
     "sync_gradients",
 ]

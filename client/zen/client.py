@@ -12,6 +12,7 @@ of the job must call allreduce for the same names in the same order of steps.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -39,6 +40,8 @@ from zend.core.topk import TopKCompressor
 from zend.protocol import paths
 from zend.protocol.session import SharedBufferError, TensorHandle, TrainerSession
 from zend.protocol.step import StepFailed, StepResult
+
+log = logging.getLogger("zen")
 
 Indexed = tuple[torch.Tensor, torch.Tensor]
 
@@ -81,7 +84,9 @@ class Client:
 
     def __init__(self, socket_dir: str | None = None, *, job: str | None = None, token: str | None = None,
                  local_rank: int | None = None, local_world_size: int | None = None, timeout_s: float = 120.0,
-                 max_workers: int = 4):
+                 max_workers: int = 4, wait_s: float | None = None):
+        """`wait_s` (default `timeout_s`): how long to wait for a daemon that is not serving yet (still
+        starting, or joining its cluster) before DaemonUnavailable; 0 fails at once."""
         env = os.environ
         self.socket_dir = socket_dir or paths.socket_dir_from_env(env)
         self.address = paths.grpc_address(self.socket_dir)
@@ -90,13 +95,10 @@ class Client:
         if not token:
             raise NotAuthorized(f"no job token: pass token= or set ZEN_JOB_TOKEN (`zend token --job {self.job}`)")
         self.timeout_s = timeout_s
-        if not os.path.exists(paths.grpc_socket(self.socket_dir)):
-            raise DaemonUnavailable(f"no zend daemon at {self.address}: the socket does not exist "
-                                    "(is the sidecar running? ZEN_SOCKET_DIR points elsewhere?)")
         self.local_rank = int(env.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", "1")) if local_world_size is None else local_world_size
         self._token = token
-        self._session = self._open_session(min(timeout_s, 30.0))
+        self._session = self._wait_for_session(timeout_s if wait_s is None else wait_s)
         self.generation = self._session.generation
         self.job_step = self._session.job_step  # where the job is (a trainer restarted mid-job resumes there)
         self._tensors: dict[str, _Tensor] = {}
@@ -108,6 +110,28 @@ class Client:
     def world_size(self) -> int:
         """Trainers of the job across the cluster (nodes x local world size)."""
         return self._session.node_count * self.local_world_size
+
+    def _wait_for_session(self, wait_s: float) -> TrainerSession:
+        """A session with the daemon, waiting up to `wait_s` while it is not serving yet (its socket not
+        made, or UNAVAILABLE while it joins the cluster): `zend serve & python train.py` just works.
+        Says once, on the "zen" logger, what it waits for; any other refusal is raised at once."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        pause, said = 0.05, False
+        while True:
+            try:
+                if not os.path.exists(paths.grpc_socket(self.socket_dir)):
+                    raise DaemonUnavailable(f"no zend daemon at {self.address}: the socket does not exist "
+                                            "(is the sidecar running? ZEN_SOCKET_DIR points elsewhere?)")
+                return self._open_session(min(max(deadline - time.monotonic(), 1.0), 30.0))
+            except DaemonUnavailable as exc:
+                if time.monotonic() + pause >= deadline:
+                    raise DaemonUnavailable(f"{exc} (waited {wait_s:g} s)" if wait_s > 0 else str(exc)) from None
+                if not said:
+                    log.warning("zen: waiting up to %g s for the zend daemon at %s to serve: %s", wait_s,
+                                self.address, exc)
+                    said = True
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def _open_session(self, timeout_s: float) -> TrainerSession:
         try:

@@ -1,14 +1,16 @@
 """Typed exceptions: one mapping from the daemon's status codes (a step's, by gRPC or on the buffer socket,
-or any other call's), nothing else to catch."""
+or any other call's), nothing else to catch. Every one is a torch.distributed.DistError too, so that a
+loop written for torch's backends (`except DistError`) catches zen's."""
 
 from __future__ import annotations
 
 import grpc
+from torch.distributed import DistError, DistNetworkError
 
 from zend.protocol.step import StepFailed
 
 
-class ZenError(RuntimeError):
+class ZenError(DistError):
     """Base of every zen client error; `code` is the daemon's status name."""
 
     code = "UNKNOWN"
@@ -53,7 +55,7 @@ class StepAborted(ZenError):
     code = "ABORTED"
 
 
-class DaemonUnavailable(ZenError, ConnectionError):
+class DaemonUnavailable(ZenError, DistNetworkError, ConnectionError):
     """No daemon at the address, a peer node lost, the daemon draining or gone mid-step."""
 
     code = "UNAVAILABLE"

@@ -52,7 +52,7 @@ def test_helper_through_buffers_that_show_writes_only_once_published(tmp_path):
 @pytest.mark.inprocess
 def test_daemon_absent_names_the_address(tmp_path):
     with pytest.raises(zen.DaemonUnavailable, match=f"no zend daemon at unix:{tmp_path}/zend.sock"):
-        zen.Client(str(tmp_path), job="j", token="t")
+        zen.Client(str(tmp_path), job="j", token="t", wait_s=0)
     with pytest.raises(zen.NotAuthorized, match="ZEN_JOB_TOKEN"):
         zen.Client(str(tmp_path), job="j", token="")
 

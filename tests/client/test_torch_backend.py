@@ -202,14 +202,16 @@ def test_the_backend_is_registered_on_import_zen() -> None:
 
 @pytest.mark.daemon
 def test_init_without_a_daemon_names_the_socket(tmp_path: Path) -> None:
-    """A rank whose node has no zend fails in init_process_group, saying where it looked."""
-    code = ("import os, torch.distributed as dist, zen\n"
-            "dist.init_process_group('zen', rank=0, world_size=1)\n")
+    """A rank whose node has no zend waits for one up to the group's timeout, saying so, then fails in
+    init_process_group, saying where it looked."""
+    code = ("import os, datetime, torch.distributed as dist, zen\n"
+            "dist.init_process_group('zen', rank=0, world_size=1, timeout=datetime.timedelta(seconds=2))\n")
     env = {**os.environ, "ZEN_SOCKET_DIR": str(tmp_path), "ZEN_JOB_TOKEN": "t", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "PYTHONPATH": project_path()}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "DaemonUnavailable" in run.stderr and str(tmp_path) in run.stderr, run.stderr[-2000:]
+    assert "waiting up to 2 s for the zend daemon" in run.stderr and "waited 2 s" in run.stderr, run.stderr[-2000:]
 
 
 class _BlockingClient:

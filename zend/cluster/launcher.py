@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,16 +55,17 @@ def node_env(node: int, cluster: LocalCluster | None, job: str) -> dict[str, str
     return env
 
 
-def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int, master_port: int) -> list[str]:
-    """torchrun for node `node` of a static multi-node job on this host (node ranks as given, so
-    the trainers of node n are ranks n*K .. n*K+K-1, beside daemon n)."""
+def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int, master_port: int,
+                     master_addr: str = "127.0.0.1") -> list[str]:
+    """torchrun for node `node` of a static multi-node job (node ranks as given, so the trainers of
+    node n are ranks n*K .. n*K+K-1, beside daemon n); on this host by default."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={trainers}",
-            f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={master_port}", "--max-restarts=0",
+            f"--node-rank={node}", f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
             "--monitor-interval=0.2", *script]
 
 
 def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool,
-                  restart_daemon_at: int | None = None) -> int:
+                  restart_daemon_at: int | None = None, run_parent: str | None = None) -> int:
     """`argv` (a Python script and its arguments) as NODES x TRAINERS ranks on this machine: one
     torchrun per node, as on a real cluster, each with its node's sidecar variables, beside a zend
     cluster if `with_zen`. torchrun's static rendezvous runs multi-node on one host as well.
@@ -71,9 +73,14 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
     Returns the worst exit code; when a node's torchrun fails, the others (whose ranks would wait
     for it in their process group) are stopped at once. With `restart_daemon_at` the cluster is
     elastic and node 1's daemon is killed (-9) and started again when rank 0 asks (examples/common.py).
+    The run's folder (sockets, logs, the cluster's secret) is made under `run_parent` (default: the
+    temp folder) and removed at the end; when the job fails the daemons' logs are kept elsewhere
+    first, and where is printed.
     """
-    with _signals_end_the_job(), tempfile.TemporaryDirectory(prefix=f"zen-{job}-") as tmp, \
+    outcome = {"failed": True}
+    with _signals_end_the_job(), tempfile.TemporaryDirectory(prefix="zen-", dir=run_parent) as tmp, \
             contextlib.ExitStack() as stack:
+        stack.callback(lambda: _keep_logs(Path(tmp), job) if outcome["failed"] else None)  # after the cluster stops
         faults = restart_daemon_at is not None and with_zen and nodes > 1
         extra = ["--log-format", "text", *(["--peer-timeout-s", "2"] if faults else [])]
         cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=extra, elastic=faults)) \
@@ -94,10 +101,27 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
                     cluster.start_node(1)
                     open(os.path.join(tmp, "done"), "w").close()
                 time.sleep(0.2)
+        except KeyboardInterrupt:  # the user's stop, not a failure: nothing is kept
+            outcome["failed"] = False
+            raise
         finally:
             for p in agents:
-                _stop_group(p)
-    return max(abs(p.returncode) for p in agents)
+                stop_group(p)
+        code = max(abs(p.returncode) for p in agents)
+        outcome["failed"] = code != 0
+    return code
+
+
+def _keep_logs(run_dir: Path, job: str) -> None:
+    """The daemons' logs of a failed job, out of the run folder (which goes) into one of their own."""
+    logs = sorted(run_dir.glob("*.log"))
+    if not logs:
+        return
+    kept = Path(tempfile.mkdtemp(prefix=f"zen-{job}-logs-"))
+    for log in logs:
+        with contextlib.suppress(OSError):
+            shutil.copy2(log, kept / log.name)
+    print(f"zen: the job failed; the daemons' logs are in {kept}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -119,7 +143,7 @@ def _signals_end_the_job() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _stop_group(agent: subprocess.Popen[bytes]) -> None:
+def stop_group(agent: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the agent's process group (torchrun passes it to its ranks), SIGKILL after 10 s."""
     if agent.poll() is None:
         with contextlib.suppress(ProcessLookupError):

@@ -20,7 +20,8 @@ import torch
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-from zend.buffers import BufferClient, fenced
+from zend.buffers import fenced
+from zend.buffers.buffer_client import BufferClient
 from zend.buffers.shared import SharedBufferError  # also the client's: a buffer the daemon refused
 from zend.core import dtypes
 from zend.core.sparse import SparseGrad

@@ -81,13 +81,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.dim < 1 or args.steps < 1:
         raise SystemExit(f"zend simulate: --dim {args.dim} and --steps {args.steps} must be at least 1")
-    if args.tokens is None:
-        tokens_path, vocab = default_tokens_path(), args.vocab or GPT2_VOCAB
-    else:
-        if args.vocab is None:
-            raise SystemExit("zend simulate: --tokens needs --vocab (the embedding's number of rows)")
-        tokens_path, vocab = args.tokens, args.vocab
+    if args.tokens is not None and args.vocab is None:
+        raise SystemExit("zend simulate: --tokens needs --vocab (the embedding's number of rows)")
     try:
+        tokens_path, vocab = (default_tokens_path(), args.vocab or GPT2_VOCAB) if args.tokens is None \
+            else (args.tokens, args.vocab)
         tokens = load_tokens(tokens_path, vocab)
         trace = TokenTrace(tokens, vocab, seqs=args.batch[0], seq_len=args.batch[1], seed=args.seed)
     except (OSError, ValueError) as exc:

@@ -8,7 +8,7 @@ The bundled stream is Jane Austen's novels in GPT-2 BPE (scripts/build_trace_fix
 
 from __future__ import annotations
 
-from importlib import resources
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +19,20 @@ from zend.core.sparse import SparseGrad
 GPT2_VOCAB = 50257
 
 
+TOKENS_ENV = "ZEN_TRACE_TOKENS"  # where an install without the source tree (the image) keeps the trace
+
+
 def default_tokens_path() -> Path:
-    return Path(str(resources.files("zend.simulator") / "data" / "austen_gpt2.npy"))
+    """The bundled trace: $ZEN_TRACE_TOKENS, else the source tree's copy. A wheel does not carry it
+    (2 MB every trainer would install for the simulator and the examples only)."""
+    if os.environ.get(TOKENS_ENV):
+        return Path(os.environ[TOKENS_ENV])
+    path = Path(__file__).resolve().parent / "data" / "austen_gpt2.npy"
+    if not path.exists():
+        raise FileNotFoundError(f"the token trace is not in this install ({path} is missing): it ships in the "
+                                f"source tree (zend/simulator/data/austen_gpt2.npy); point {TOKENS_ENV} at a "
+                                "copy, or pass a .npy of token ids (zend simulate --tokens)")
+    return path
 
 
 def load_tokens(path: str | Path, vocab: int) -> np.ndarray:

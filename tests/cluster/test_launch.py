@@ -1,0 +1,169 @@
+"""The first hour: `zend launch` on one machine with nothing set beforehand, Ctrl-C, a failing job,
+a client that waits for its daemon, and a trainer's import that carries no daemon."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import zen
+from tests.subprocess_env import project_path
+from zend.cluster.local import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests/cluster/launched_script.py")
+ZEN_VARIABLES = ("ZEN_SOCKET_DIR", "ZEN_JOB", "ZEN_JOB_TOKEN", "ZEN_CLUSTER_SECRET", "ZEN_CLUSTER_SECRET_FILE")
+
+
+@pytest.fixture
+def xdg() -> Iterator[Path]:
+    """A private runtime folder with a short path, like /run/user/UID (unix sockets live under it)."""
+    folder = Path(tempfile.mkdtemp(prefix="xdg-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _user_env(runtime_dir: Path) -> dict[str, str]:
+    """A new user's shell: none of zen's variables, a private runtime folder."""
+    env = {k: v for k, v in os.environ.items() if k not in ZEN_VARIABLES}
+    return {**env, "XDG_RUNTIME_DIR": str(runtime_dir), "PYTHONPATH": project_path()}
+
+
+def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "zend", "launch", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _left_running(job: str) -> str:
+    return subprocess.run(["pgrep", "-af", job], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.daemon
+def test_launch_runs_two_nodes_of_two_trainers_with_nothing_set(xdg: Path) -> None:
+    env = _user_env(xdg)
+    proc = _launch(["--nodes", "2", "--trainers", "2", "--job", "firsthour-ok", "--", SCRIPT, "3"], env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert sorted(re.findall(r"rank (\d) of 4: ok, job firsthour-ok", out)) == ["0", "1", "2", "3"], out
+    assert os.listdir(xdg) == []  # the run folder (sockets, logs, the secret) is gone
+    assert _left_running("firsthour-ok") == ""
+
+
+@pytest.mark.daemon
+def test_launch_ctrl_c_midway_leaves_nothing_behind(xdg: Path) -> None:
+    env = _user_env(xdg)
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = _launch(["--nodes", "2", "--trainers", "2", "--job", "firsthour-int", "--", SCRIPT, "1", "sleep"], env)
+    try:
+        deadline = time.monotonic() + 240
+        runs = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            runs = os.listdir(xdg)
+            if runs and len(list((xdg / runs[0]).glob("node*.log"))) == 2 \
+                    and "sleep" in _left_running("launched_script.py 1 sleep"):
+                break
+            time.sleep(0.2)
+        assert runs, "the run folder was never made under $XDG_RUNTIME_DIR"
+        secret = xdg / runs[0] / "cluster.secret"
+        assert secret.stat().st_mode & 0o077 == 0  # the run's own secret: the user's only
+        time.sleep(3)  # midway: the trainers are past their first step
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    assert os.listdir(xdg) == []
+    assert _left_running("firsthour-int") == "" and _left_running("launched_script.py 1 sleep") == ""
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+@pytest.mark.daemon
+def test_launch_keeps_the_daemons_logs_when_the_job_fails(xdg: Path) -> None:
+    env = _user_env(xdg)
+    proc = _launch(["--nodes", "2", "--trainers", "2", "--job", "firsthour-fail", "--", SCRIPT, "1", "fail"], env)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    found = re.search(r"the daemons' logs are in (\S+)", err)
+    assert found, err[-3000:]
+    kept = Path(found.group(1))
+    try:
+        assert sorted(p.name for p in kept.iterdir()) == ["node0.log", "node1.log"]
+        assert "daemon stopped" in (kept / "node0.log").read_text()  # whole: kept after the daemon stopped
+    finally:
+        shutil.rmtree(kept)
+    assert os.listdir(xdg) == []  # the secret and the sockets went with the run folder
+    assert _left_running("firsthour-fail") == ""
+
+
+@pytest.mark.daemon
+def test_a_client_waits_for_a_daemon_that_is_still_joining(tmp_path: Path) -> None:
+    """`zend serve & python train.py`: node 0 is up but waits for node 1; the client waits with it."""
+    cluster = LocalCluster(2, tmp_path)
+    got: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            got["client"] = zen.Client(cluster.socket_dir(0), job="j", token=cluster.token("j"), wait_s=120)
+        except Exception as exc:
+            got["error"] = exc
+
+    try:
+        cluster.start_node(0)
+        waiter = threading.Thread(target=connect)
+        waiter.start()
+        time.sleep(3)
+        assert waiter.is_alive() and not got, got  # still waiting: node 0 joins until node 1 comes
+        cluster.start_node(1)
+        waiter.join(120)
+        assert "client" in got, got
+        client = got["client"]
+        assert isinstance(client, zen.Client) and client.world_size == 2
+        client.close()
+    finally:
+        cluster.close()
+
+
+@pytest.mark.inprocess
+def test_a_client_that_may_not_wait_fails_at_once_naming_the_socket(tmp_path: Path) -> None:
+    t = time.monotonic()
+    with pytest.raises(zen.DaemonUnavailable, match=f"no zend daemon at unix:{tmp_path}/zend.sock"):
+        zen.Client(str(tmp_path), job="j", token="t", wait_s=0)
+    with pytest.raises(zen.DaemonUnavailable, match=r"waited 1 s"):
+        zen.Client(str(tmp_path), job="j", token="t", wait_s=1)
+    assert time.monotonic() - t < 10
+
+
+@pytest.mark.daemon
+def test_import_zen_loads_no_daemon_code() -> None:
+    code = ("import sys, zen\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite', 'cryptography', "
+            "'prometheus_client') or m.startswith(('zend.daemon', 'zend.core.schemes', 'zend.core.kernels', "
+            "'zend.buffers.buffer_server', 'zend.transport', 'zend.simulator')))\n"
+            "print(bad)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": project_path()})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
+
+
+@pytest.mark.inprocess
+def test_zen_errors_are_torch_dist_errors() -> None:
+    import torch.distributed as dist
+
+    for cls in (zen.StepAborted, zen.StepTimeout, zen.DaemonUnavailable, zen.InvalidGradient, zen.OutOfOrder):
+        assert issubclass(cls, dist.DistError), cls
+    assert issubclass(zen.DaemonUnavailable, dist.DistNetworkError)

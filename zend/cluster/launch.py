@@ -1,0 +1,178 @@
+"""`zend launch`: from a training script to a running zen job in one command.
+
+    zend launch --nodes 2 --trainers 2 -- train.py --lr 0.1          # this machine: 2 daemons, 4 trainers
+    zend launch --nnodes 4 --node-rank 1 --master-addr 10.0.0.1 --trainers 8 -- train.py   # one node of 4
+
+It starts the node's daemon(s) (or reuses one that already serves), waits until they serve, gives
+the trainers their environment (socket folder, job, token) and runs torchrun; it stops what it
+started when the job ends, on Ctrl-C or on SIGTERM, and keeps the daemons' logs when the job fails.
+On one machine it makes a cluster secret for the run (user-only, in the run folder under
+$XDG_RUNTIME_DIR or the temp folder): no root, no variable to set. A multi-node job needs the
+same secret on every node (ZEN_CLUSTER_SECRET_FILE), like any cluster of zend daemons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DATA_PORT = 7000  # the data plane's port in a multi-node job (zend serve's convention)
+RENDEZVOUS_PORT = 7001  # zend's one-shot rendezvous store, on the master's address
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "launch", help="run a training script under torchrun beside zend daemons: starts them, waits, stops them",
+        description="Start this node's zend daemon (or, with --nodes, a local cluster of them), wait until it "
+                    "serves, then run the script under torchrun with the trainers' environment set.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--nodes", type=int, default=1, help="this machine only: how many nodes (daemons) to run")
+    p.add_argument("--trainers", "--nproc-per-node", dest="trainers", type=int, default=1,
+                   help="trainer processes per node")
+    p.add_argument("--job", default="", help="the job's name (default: the script's name)")
+    node = p.add_argument_group("one node of a multi-node job (torchrun's node flags)")
+    node.add_argument("--nnodes", type=int, default=0, help="nodes of the job (0: this machine only, see --nodes)")
+    node.add_argument("--node-rank", type=int, default=-1, help="this node's rank, 0 .. nnodes-1")
+    node.add_argument("--master-addr", default="", help="node 0's address (zend's rendezvous and torchrun's)")
+    node.add_argument("--master-port", type=int, default=29500, help="torchrun's port on node 0")
+    node.add_argument("--listen", default="", help="this node's data-plane URI (default: tcp://<the address "
+                                                   f"this host reaches --master-addr from>:{DATA_PORT})")
+    p.add_argument("--run-dir", default="", help="where the run's sockets, logs and secret go (default: a new "
+                                                 "folder under $XDG_RUNTIME_DIR, else the temp folder)")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py ARGS")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    script = list(args.script[1:] if args.script[:1] == ["--"] else args.script)
+    if not script:
+        raise SystemExit("zend launch: no script: zend launch [options] -- train.py ARGS")
+    if args.trainers < 1 or args.nodes < 1:
+        raise SystemExit(f"zend launch: --nodes {args.nodes} and --trainers {args.trainers} must be at least 1")
+    job = args.job or Path(script[0]).stem or "default"
+    parent = args.run_dir or run_parent()
+    try:
+        if args.nnodes:
+            return _one_node_of_many(args, script, job, parent)
+        from zend.cluster.launcher import run_local_job
+
+        return run_local_job(script, args.nodes, args.trainers, job, with_zen=True, run_parent=parent)
+    except KeyboardInterrupt:
+        print("zend launch: interrupted; what it started is stopped", file=sys.stderr)
+        return 130
+
+
+SOCKET_PATH_ROOM = 64  # a unix socket's path must fit in 108 bytes: the run folder's own part takes ~40
+
+
+def run_parent() -> str | None:
+    """Where a run's folder goes: $XDG_RUNTIME_DIR (the user's own tmpfs) if usable, else the temp folder."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    usable = xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK) and len(xdg) <= SOCKET_PATH_ROOM
+    return xdg if usable else None
+
+
+def local_address_towards(host: str) -> str:
+    """The address this machine uses to reach `host` (no packet is sent: a UDP socket's route)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
+
+
+def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str, parent: str | None) -> int:
+    """This node's daemon (started here, or one already serving at ZEN_SOCKET_DIR), then torchrun."""
+    from zend.cluster.launcher import stop_group, torchrun_command
+    from zend.daemon.jobs import job_token
+    from zend.daemon.secret import SecretError, load_secret
+    from zend.protocol import paths
+
+    if not 0 <= args.node_rank < args.nnodes or not args.master_addr:
+        raise SystemExit(f"zend launch: --nnodes {args.nnodes} needs --node-rank in [0, {args.nnodes}) (given "
+                         f"{args.node_rank}) and --master-addr (given {args.master_addr!r})")
+    try:
+        secret = load_secret()
+    except (SecretError, OSError) as exc:
+        raise SystemExit(f"zend launch: a multi-node job needs the cluster secret on every node ({exc}): "
+                         "`zend secret > FILE` once, then ZEN_CLUSTER_SECRET_FILE=FILE on each node") from None
+    running = os.environ.get(paths.SOCKET_DIR_ENV, "")
+    reuse = bool(running) and _serves(running)
+    run_dir = Path(tempfile.mkdtemp(prefix="zen-", dir=parent))
+    socket_dir = running if reuse else str(run_dir / "zend")
+    daemon: subprocess.Popen[bytes] | None = None
+    failed = True
+    try:
+        if not reuse:
+            listen = args.listen or f"tcp://{local_address_towards(args.master_addr)}:{DATA_PORT}"
+            log = open(run_dir / "zend.log", "ab")  # noqa: SIM115 (the child owns it)
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "zend", "serve", "--rank", str(args.node_rank), "--world-size",
+                 str(args.nnodes), "--rendezvous", f"{args.master_addr}:{RENDEZVOUS_PORT}", "--listen", listen,
+                 "--socket-dir", socket_dir, "--log-format", "text"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            _wait_serving(socket_dir, daemon, run_dir / "zend.log", timeout_s=600)
+        env = {**os.environ, paths.SOCKET_DIR_ENV: socket_dir, "ZEN_JOB": job,
+               "ZEN_JOB_TOKEN": os.environ.get("ZEN_JOB_TOKEN") or job_token(secret, job), "OMP_NUM_THREADS":
+               os.environ.get("OMP_NUM_THREADS", "1")}
+        agent = subprocess.Popen(
+            torchrun_command(script, args.node_rank, args.nnodes, args.trainers, args.master_port,
+                             master_addr=args.master_addr), env=env, start_new_session=True)
+        try:
+            code = agent.wait()
+        finally:
+            stop_group(agent)
+        failed = code != 0
+        return abs(code)
+    except KeyboardInterrupt:  # the user's stop, not a failure: nothing is kept
+        failed = False
+        raise
+    finally:
+        if daemon is not None:
+            stop_group(daemon)
+        _end_run(run_dir, failed, logs=["zend.log"])
+
+
+def _serves(socket_dir: str) -> bool:
+    import grpc
+
+    from zend.protocol import paths
+    from zend.protocol.health import health_status
+
+    try:
+        return health_status(paths.grpc_address(socket_dir), 2.0) == "SERVING"
+    except grpc.RpcError:
+        return False
+
+
+def _wait_serving(socket_dir: str, daemon: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _serves(socket_dir):
+        if daemon.poll() is not None:
+            raise SystemExit(f"zend launch: the daemon exited with {daemon.returncode}; its log ({log}):\n"
+                             + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
+        if time.monotonic() > deadline:
+            raise SystemExit(f"zend launch: the daemon does not serve within {timeout_s:g} s; its log: {log}")
+        time.sleep(0.2)
+
+
+def _end_run(run_dir: Path, failed: bool, logs: Sequence[str]) -> None:
+    """The run folder goes; when the job failed its logs are kept first, and where they are is said."""
+    import shutil
+
+    if failed:
+        kept = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}logs-"))
+        for name in logs:
+            with contextlib.suppress(OSError):
+                shutil.copy2(run_dir / name, kept / name)
+        print(f"zend launch: the job failed; the daemons' logs are in {kept}", file=sys.stderr)
+    shutil.rmtree(run_dir, ignore_errors=True)
