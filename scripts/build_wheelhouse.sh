@@ -12,5 +12,5 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/build_wheelhouse.sh FOLDER}
 python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 mkdir -p "$out"
-"$python" -m pip wheel -q --wheel-dir "$out" -c constraints.txt "setuptools>=68" ".[daemon,ucx]"
+"$python" -m pip wheel -q --wheel-dir "$out" -c constraints.txt "setuptools>=77" ".[daemon,ucx]"
 echo "$(ls "$out"/*.whl | wc -l) wheels, $(du -sh "$out" | cut -f1) in $out"
