@@ -8,14 +8,14 @@ import time
 
 import torch
 import torch.distributed as dist
-
 import zen
 
 client = zen.init()
 rank, world = dist.get_rank(), dist.get_world_size()
-for step in range(int(sys.argv[1])):
+for _ in range(int(sys.argv[1])):
     rows = torch.tensor([[rank, 100]])
-    grad = torch.sparse_coo_tensor(rows, torch.full((2, 4), float(rank + 1)), (128, 4), check_invariants=True).coalesce()
+    values = torch.full((2, 4), float(rank + 1))
+    grad = torch.sparse_coo_tensor(rows, values, (128, 4), check_invariants=True).coalesce()
     dist.all_reduce(grad)
     got = grad.coalesce().to_dense()
     assert torch.equal(got[100], torch.full((4,), float(sum(r + 1 for r in range(world))))), got[100]

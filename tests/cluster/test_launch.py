@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import zen
+
 from tests.subprocess_env import project_path
 from zend.cluster.local import LocalCluster
 
