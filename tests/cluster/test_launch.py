@@ -167,3 +167,69 @@ def test_zen_errors_are_torch_dist_errors() -> None:
     for cls in (zen.StepAborted, zen.StepTimeout, zen.DaemonUnavailable, zen.InvalidGradient, zen.OutOfOrder):
         assert issubclass(cls, dist.DistError), cls
     assert issubclass(zen.DaemonUnavailable, dist.DistNetworkError)
+
+
+@pytest.mark.daemon
+def test_torchrun_c10d_rendezvous_beside_daemons_that_take_their_rank_from_zends(tmp_path: Path) -> None:
+    """No node rank anywhere: the daemons get theirs from zend's rendezvous (--rank auto), the
+    trainers theirs from torchrun's c10d rendezvous; every sum is still right."""
+    from zend.cluster.local import free_port
+    from zend.daemon.jobs import job_token
+    from zend.daemon.secret import decode, new_secret
+
+    secret_file = tmp_path / "cluster.secret"
+    text = new_secret()
+    secret_file.write_text(text)
+    secret_file.chmod(0o600)
+    env = {**os.environ, "ZEN_CLUSTER_SECRET_FILE": str(secret_file), "PYTHONPATH": project_path()}
+    store = free_port()
+    daemons, agents = [], []
+    try:
+        for i in range(2):
+            log = open(tmp_path / f"node{i}.log", "wb")  # noqa: SIM115 (the child owns it)
+            daemons.append(subprocess.Popen(
+                [sys.executable, "-m", "zend", "serve", "--rank", "auto", "--world-size", "2", "--rendezvous",
+                 f"127.0.0.1:{store}", "--listen", f"tcp://127.0.0.1:{free_port()}", "--socket-dir",
+                 str(tmp_path / f"node{i}"), "--metrics-port", "0", "--log-format", "text"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            log.close()
+        ranks = set()
+        for i in range(2):
+            deadline = time.monotonic() + 120
+            while True:
+                status = subprocess.run([sys.executable, "-m", "zend", "status", "--socket-dir",
+                                         str(tmp_path / f"node{i}")], env=env, capture_output=True, text=True)
+                found = re.search(r"node (\d) of 2", status.stdout)
+                if status.returncode == 0 and found and "serving" in status.stdout:
+                    ranks.add(found.group(1))
+                    break
+                assert time.monotonic() < deadline and daemons[i].poll() is None, \
+                    (tmp_path / f"node{i}.log").read_text()[-3000:]
+                time.sleep(0.3)
+        assert ranks == {"0", "1"}
+        rdzv = free_port()
+        token = job_token(decode(text.encode(), "test"), "c10d")
+        for i in range(2):
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rdzv}", "--rdzv-id=c10d", "--max-restarts=0",
+                 "--monitor-interval=0.2", SCRIPT, "2"],
+                env={**env, "ZEN_SOCKET_DIR": str(tmp_path / f"node{i}"), "ZEN_JOB": "c10d", "ZEN_JOB_TOKEN": token,
+                     "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+        outs = []
+        for agent in agents:
+            out, err = agent.communicate(timeout=300)
+            assert agent.returncode == 0, err[-3000:]
+            outs.append(out)
+        assert sorted(re.findall(r"rank (\d) of 4: ok", "".join(outs))) == ["0", "1", "2", "3"], outs
+    finally:
+        for proc in [*agents, *daemons]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in [*agents, *daemons]:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -25,6 +25,7 @@ import pytest
 
 from zend.cluster.local import free_port
 from zend.daemon.membership import (
+    AUTO_RANK,
     MembershipError,
     RendezvousTimeoutError,
     check_agreement,
@@ -351,3 +352,20 @@ def test_two_processes_claiming_one_rank_are_refused(ranks: RankProcesses) -> No
     taken = [r for r in results.values() if "rank 1 is already taken" in r.get("message", "")]
     assert len(taken) == 1, results
     assert all("error" in r for r in results.values()), results  # rank 2 never came: the rest time out
+
+
+@pytest.mark.daemon
+def test_rank_auto_the_store_host_is_0_the_others_take_the_free_ranks(ranks: RankProcesses) -> None:
+    """Four daemons with --rank auto for three places: the one that hosts the store is rank 0, two
+    take 1 and 2, and the one too many is refused with the reason, not given a rank twice."""
+    cmds = commands([AUTO_RANK] * 4, 3, timeout_s=20)
+    for i, cmd in cmds.items():
+        cmd["uri"] = f"tcp://127.0.0.1:{7200 + i}"
+    results = ranks.run(cmds, wait_s=40)
+    refused = {i: r["message"] for i, r in results.items() if "error" in r}
+    assert len(refused) == 1 and "every rank of world_size=3 is taken" in next(iter(refused.values())), refused
+    views = [r["membership"] for i, r in results.items() if i not in refused]
+    assert sorted(v["rank"] for v in views) == [0, 1, 2]
+    assert all(v["peers"] == views[0]["peers"] for v in views)
+    mine = {v["rank"]: cmds[i]["uri"] for i, v in zip([i for i in results if i not in refused], views, strict=True)}
+    assert {int(r): u for r, u in views[0]["peers"].items()} == mine

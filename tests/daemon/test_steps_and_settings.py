@@ -380,3 +380,17 @@ def test_a_jobs_sessions_are_bounded_by_its_quota_per_job():
     reg.open_session("b", 0, 2, pid=3)  # another job's own quota
     with pytest.raises(StepError, match="already taken"):
         reg.open_session("a", 1, 2, pid=4)
+
+
+@pytest.mark.inprocess
+def test_rank_auto_takes_the_rendezvous_and_nothing_else() -> None:
+    s = resolve({"rank": "auto", "world_size": 3, "rendezvous": "10.0.0.1:7001", "listen": "tcp://10.0.0.2:7000"},
+                env={})
+    assert s.rank == -1 and s.world_size == 3
+    with pytest.raises(SettingsError, match="auto needs the one-shot rendezvous"):
+        resolve({"rank": "auto", "world_size": 2, "peers": "tcp://a:1,tcp://b:2"}, env={})
+    with pytest.raises(SettingsError, match="auto needs the one-shot rendezvous"):
+        resolve({"rank": "auto", "world_size": 2, "rendezvous": "10.0.0.1:7001", "listen": "tcp://10.0.0.2:7000",
+                 "elastic": 1}, env={})
+    with pytest.raises(SettingsError, match="rank='x'"):
+        resolve({"rank": "x"}, env={})

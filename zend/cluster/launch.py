@@ -41,7 +41,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--job", default="", help="the job's name (default: the script's name)")
     node = p.add_argument_group("one node of a multi-node job (torchrun's node flags)")
     node.add_argument("--nnodes", type=int, default=0, help="nodes of the job (0: this machine only, see --nodes)")
-    node.add_argument("--node-rank", type=int, default=-1, help="this node's rank, 0 .. nnodes-1")
+    node.add_argument("--node-rank", type=int, default=-1, help="this node's rank, 0 .. nnodes-1; left out, "
+                      "ranks come from the rendezvous (zend's --rank auto, torchrun's c10d backend)")
     node.add_argument("--master-addr", default="", help="node 0's address (zend's rendezvous and torchrun's)")
     node.add_argument("--master-port", type=int, default=29500, help="torchrun's port on node 0")
     node.add_argument("--listen", default="", help="this node's data-plane URI (default: tcp://<the address "
@@ -96,9 +97,10 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
     from zend.daemon.secret import SecretError, load_secret
     from zend.protocol import paths
 
-    if not 0 <= args.node_rank < args.nnodes or not args.master_addr:
-        raise SystemExit(f"zend launch: --nnodes {args.nnodes} needs --node-rank in [0, {args.nnodes}) (given "
-                         f"{args.node_rank}) and --master-addr (given {args.master_addr!r})")
+    if not -1 <= args.node_rank < args.nnodes or not args.master_addr:
+        raise SystemExit(f"zend launch: --nnodes {args.nnodes} needs --master-addr (given {args.master_addr!r}) "
+                         f"and, if given, --node-rank in [0, {args.nnodes}) (given {args.node_rank})")
+    rank = str(args.node_rank) if args.node_rank >= 0 else "auto"
     try:
         secret = load_secret()
     except (SecretError, OSError) as exc:
@@ -115,7 +117,7 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
             listen = args.listen or f"tcp://{local_address_towards(args.master_addr)}:{DATA_PORT}"
             log = open(run_dir / "zend.log", "ab")  # noqa: SIM115 (the child owns it)
             daemon = subprocess.Popen(
-                [sys.executable, "-m", "zend", "serve", "--rank", str(args.node_rank), "--world-size",
+                [sys.executable, "-m", "zend", "serve", "--rank", rank, "--world-size",
                  str(args.nnodes), "--rendezvous", f"{args.master_addr}:{RENDEZVOUS_PORT}", "--listen", listen,
                  "--socket-dir", socket_dir, "--log-format", "text"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -126,7 +128,7 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
                os.environ.get("OMP_NUM_THREADS", "1")}
         agent = subprocess.Popen(
             torchrun_command(script, args.node_rank, args.nnodes, args.trainers, args.master_port,
-                             master_addr=args.master_addr), env=env, start_new_session=True)
+                             master_addr=args.master_addr, rendezvous_id=job), env=env, start_new_session=True)
         try:
             code = agent.wait()
         finally:

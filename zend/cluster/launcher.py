@@ -56,12 +56,14 @@ def node_env(node: int, cluster: LocalCluster | None, job: str) -> dict[str, str
 
 
 def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int, master_port: int,
-                     master_addr: str = "127.0.0.1") -> list[str]:
+                     master_addr: str = "127.0.0.1", rendezvous_id: str = "zen") -> list[str]:
     """torchrun for node `node` of a static multi-node job (node ranks as given, so the trainers of
-    node n are ranks n*K .. n*K+K-1, beside daemon n); on this host by default."""
+    node n are ranks n*K .. n*K+K-1, beside daemon n); on this host by default. Node -1: torchrun's
+    c10d rendezvous at master_addr:master_port assigns the node ranks."""
+    where = [f"--node-rank={node}", f"--master-addr={master_addr}", f"--master-port={master_port}"] if node >= 0 \
+        else ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}", f"--rdzv-id={rendezvous_id}"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={trainers}",
-            f"--node-rank={node}", f"--master-addr={master_addr}", f"--master-port={master_port}", "--max-restarts=0",
-            "--monitor-interval=0.2", *script]
+            *where, "--max-restarts=0", "--monitor-interval=0.2", *script]
 
 
 def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool,

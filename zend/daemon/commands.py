@@ -17,7 +17,9 @@ from zend.protocol import paths
 
 log = logging.getLogger("zend.daemon")
 HELP = {
-    "rank": "this node's rank", "world_size": "number of nodes",
+    "rank": "this node's rank, or 'auto' with --rendezvous HOST:PORT (the node that can host the store is 0, the "
+            "others take 1, 2, ... as they arrive: no static node rank needed, e.g. under torchrun's c10d "
+            "rendezvous)", "world_size": "number of nodes",
     "peers": "comma-separated data-plane URIs of every node, in rank order (tcp://HOST:PORT or ucx://HOST:PORT)",
     "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it), or 'env': the node's rank from GROUP_RANK "
                   "(torchrun), NODE_RANK, PET_NODE_RANK (Kubeflow) or JOB_COMPLETION_INDEX (Indexed Job / JobSet), "
@@ -67,7 +69,7 @@ def add_commands(sub: Any) -> None:
                                        "and the TOML file given by --config or $ZEND_CONFIG; flags win.")
     serve.add_argument("--config", default=None, help="TOML file of settings (names as the flags, with _)")
     for f in FIELDS.values():
-        kind = {int: int, float: float}.get(type(f.default), str) if f.name != "peers" else str
+        kind = {int: int, float: float}.get(type(f.default), str) if f.name not in ("peers", "rank") else str
         serve.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
                            help=f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
                            if f.name != "peers" else HELP["peers"])

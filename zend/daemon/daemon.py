@@ -72,7 +72,7 @@ class Daemon:
 
         s = self.settings = settings
         self.secret = load_secret(s.secret_file or None)
-        self.metrics = DaemonMetrics(s.rank)
+        self.metrics = DaemonMetrics(max(s.rank, 0))  # --rank auto: 0 until the rendezvous assigns one
         self.registry = JobRegistry(self.secret, s.max_tensors_per_job, s.max_session_bytes, s.max_sessions_per_job)
         # GPU buffers (CUDA IPC) wherever the daemon sees a GPU, never in expandable segments (IPC cannot share them)
         if torch.cuda.is_available():
@@ -197,8 +197,8 @@ class Daemon:
         s, m = self.settings, self.membership
         comm = self.transport if self.transport is not None else _Alone()
         self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s, m.generation))
-        self.metrics.set_node(s.rank, self.transport_name, self.ucx_transports(), m.source.split(" ")[0],
-                              m.generation)
+        node = s.rank if s.rank >= 0 else m.rank  # --rank auto: the one the rendezvous gave
+        self.metrics.set_node(node, self.transport_name, self.ucx_transports(), m.source.split(" ")[0], m.generation)
         self.metrics.membership_changed.set(self.last_change[1])
 
     def _find_membership(self) -> Membership:

@@ -20,6 +20,7 @@ redirect a peer's address, nor end the round early.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
@@ -45,6 +46,7 @@ ADDRESS_VARIABLES = ("ZEN_RENDEZVOUS_ADDR", "MASTER_ADDR", "PET_MASTER_ADDR")
 PORT_VARIABLE = "ZEN_RENDEZVOUS_PORT"
 DEFAULT_RENDEZVOUS_PORT = 7001  # beside the data plane's 7000; not torchrun's 29400 / 29500
 POLL_S = 0.02
+AUTO_RANK = -1  # `--rank auto`: the one-shot rendezvous assigns it (its store's host is 0, the others in arrival order)
 
 
 class MembershipError(ValueError):
@@ -53,6 +55,10 @@ class MembershipError(ValueError):
 
 class RendezvousTimeoutError(MembershipError, TimeoutError):
     """Some ranks did not show up (or confirm) within the timeout; the message names them."""
+
+
+class RankTaken(MembershipError):
+    """Another daemon of the cluster claimed this rank first (a sealed claim)."""
 
 
 class StoreLost(MembershipError):
@@ -244,6 +250,7 @@ class _Round:
     def __init__(self, host: str, port: int, rank: int, world_size: int, cluster_id: str, timeout_s: float,
                  seal: StoreSeal):
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
+        self.auto = rank == AUTO_RANK  # until the round gives this daemon a rank (open, claim)
         self.prefix = f"zen/{cluster_id}/"
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
@@ -258,14 +265,20 @@ class _Round:
     def open(self) -> None:
         from torch.distributed import DistError, TCPStore
 
+        listener = None
+        if self.auto:  # the daemon that can listen on the store's address hosts it, and is rank 0
+            with contextlib.suppress(OSError):  # not this host's address, or another daemon here was first
+                listener = bound_store_socket(self.host, self.port)
+            if listener is not None:
+                self.rank, self.auto = 0, False
         hosting = self.rank == 0
         if not hosting:
             self.await_store()
         try:
             if hosting:  # the store takes the listening descriptor over, and closes it when it goes
+                listener = listener or bound_store_socket(self.host, self.port)
                 self._store = TCPStore(self.host, self.port, self.world_size, True, self.remaining(),
-                                       wait_for_workers=False,
-                                       master_listen_fd=bound_store_socket(self.host, self.port).detach())
+                                       wait_for_workers=False, master_listen_fd=listener.detach())
             else:
                 self._store = TCPStore(self.host, self.port, self.world_size, False, self.remaining(),
                                        wait_for_workers=False)
@@ -321,7 +334,20 @@ class _Round:
 
     def claim(self) -> None:
         """Refuse a second process claiming the same rank: its publication would overwrite the first's. A
-        claim is sealed: one a stranger wrote is overwritten, not obeyed."""
+        claim is sealed: one a stranger wrote is overwritten, not obeyed. `--rank auto`: the lowest rank
+        from 1 that nobody has claimed."""
+        if self.auto:
+            for rank in range(1, self.world_size):
+                self.rank = rank
+                with contextlib.suppress(RankTaken):
+                    self._claim_rank()
+                    self.auto = False
+                    return
+            raise MembershipError(f"every rank of world_size={self.world_size} is taken at {self.where}: more "
+                                  "daemons with --rank auto than --world-size (check --world-size)")
+        self._claim_rank()
+
+    def _claim_rank(self) -> None:
         key = f"{self.prefix}claim/{self.rank}"
         mine = self.seal.seal(key, secrets.token_hex(16).encode())
         expected = ""
@@ -330,7 +356,7 @@ class _Round:
             if current == mine:
                 return
             if self.seal.open_value(key, current) is not None:
-                raise MembershipError(f"rank {self.rank} is already taken in cluster {self.prefix[4:-1]!r} at "
+                raise RankTaken(f"rank {self.rank} is already taken in cluster {self.prefix[4:-1]!r} at "
                                       f"{self.where}: another process published it first (check RANK)")
             expected = current  # a stranger's value: replace it
         raise MembershipError(f"rank {self.rank} could not claim its place at {self.where}: the value kept changing")
@@ -420,9 +446,10 @@ def rendezvous(store_host: str, store_port: int, rank: int, world_size: int, my_
     Blocks until all `world_size` ranks have published (bounded by `timeout_s`: RendezvousTimeoutError
     names the missing ranks) and, on rank 0, until all have read the result, so that closing the
     store on return strands nobody. `my_uri` must be the address this rank's transport listens on;
-    `secret` (the cluster's) seals every value of the round.
+    `secret` (the cluster's) seals every value of the round. `rank` AUTO_RANK: the round assigns it.
     """
-    rank, world_size = _check_world(rank, world_size)
+    rank, world_size = (rank, _check_int("world_size", world_size, 1)) if rank == AUTO_RANK \
+        else _check_world(rank, world_size)
     cluster_id = _check_cluster_id(cluster_id)
     if not isinstance(store_host, str) or not store_host:
         raise MembershipError(f"store_host={store_host!r} must be a host name or address")

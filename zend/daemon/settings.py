@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from zend.daemon.membership import AUTO_RANK
 from zend.protocol import paths
 from zend.transport import parse_uri
 
@@ -99,6 +100,8 @@ FIELDS = {f.name: f for f in fields(Settings) if f.name != "sources"}
 
 def _convert(name: str, value: Any, source: str) -> Any:
     default = getattr(Settings, name)
+    if name == "rank" and str(value).strip() == "auto":
+        return AUTO_RANK
     try:
         if isinstance(default, int):
             return int(value)
@@ -185,8 +188,12 @@ def validate(s: Settings) -> None:
 
     if s.world_size < 1:
         raise bad("world_size", "must be at least 1")
-    if not 0 <= s.rank < s.world_size:
-        raise bad("rank", f"must be in [0, {s.world_size})")
+    if s.rank == AUTO_RANK:
+        if not s.rendezvous or s.elastic:
+            raise bad("rank", "auto needs the one-shot rendezvous (--rendezvous HOST:PORT, not --elastic 1): "
+                              "its store assigns the ranks")
+    elif not 0 <= s.rank < s.world_size:
+        raise bad("rank", f"must be in [0, {s.world_size}) or 'auto'")
     if s.peers and s.rendezvous:
         raise bad("peers", "give either peers (static membership) or rendezvous, not both")
     if s.peers and len(s.peers) != s.world_size:
