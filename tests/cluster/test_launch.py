@@ -233,3 +233,35 @@ def test_torchrun_c10d_rendezvous_beside_daemons_that_take_their_rank_from_zends
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.mark.daemon
+def test_launch_one_node_of_many_without_node_ranks(tmp_path: Path, xdg: Path) -> None:
+    """Two `zend launch --nnodes 2` (two hosts' worth, here on loopback), no --node-rank: each starts
+    its node's daemon (--rank auto), waits, runs torchrun with its c10d rendezvous, and cleans up."""
+    from zend.cluster.local import free_port
+    from zend.daemon.secret import new_secret
+
+    secret_file = tmp_path / "cluster.secret"
+    secret_file.write_text(new_secret())
+    secret_file.chmod(0o600)
+    # zend serve's other settings come from ZEND_* variables: two daemons on one host need two metrics ports
+    env = {**_user_env(xdg), "ZEN_CLUSTER_SECRET_FILE": str(secret_file), "ZEND_METRICS_PORT": "0"}
+    common = ["--nnodes", "2", "--trainers", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+              "--rendezvous-port", str(free_port()), "--job", "firsthour-nodes"]
+    procs = [_launch([*common, "--listen", f"tcp://127.0.0.1:{free_port()}", "--", SCRIPT, "2"], env)
+             for _ in range(2)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert sorted(re.findall(r"rank (\d) of 4: ok, job firsthour-nodes", "".join(outs))) == ["0", "1", "2", "3"]
+    assert os.listdir(xdg) == []
+    assert _left_running("firsthour-nodes") == ""

@@ -8,7 +8,8 @@ the trainers their environment (socket folder, job, token) and runs torchrun; it
 started when the job ends, on Ctrl-C or on SIGTERM, and keeps the daemons' logs when the job fails.
 On one machine it makes a cluster secret for the run (user-only, in the run folder under
 $XDG_RUNTIME_DIR or the temp folder): no root, no variable to set. A multi-node job needs the
-same secret on every node (ZEN_CLUSTER_SECRET_FILE), like any cluster of zend daemons.
+same secret on every node (ZEN_CLUSTER_SECRET_FILE), like any cluster of zend daemons; the daemon it
+starts reads its other settings from ZEND_* variables, as `zend serve` does.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def add_commands(sub: Any) -> None:
                       "ranks come from the rendezvous (zend's --rank auto, torchrun's c10d backend)")
     node.add_argument("--master-addr", default="", help="node 0's address (zend's rendezvous and torchrun's)")
     node.add_argument("--master-port", type=int, default=29500, help="torchrun's port on node 0")
+    node.add_argument("--rendezvous-port", type=int, default=RENDEZVOUS_PORT,
+                      help="zend's rendezvous store on --master-addr (node 0's daemon hosts it)")
     node.add_argument("--listen", default="", help="this node's data-plane URI (default: tcp://<the address "
                                                    f"this host reaches --master-addr from>:{DATA_PORT})")
     p.add_argument("--run-dir", default="", help="where the run's sockets, logs and secret go (default: a new "
@@ -118,7 +121,7 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
             log = open(run_dir / "zend.log", "ab")  # noqa: SIM115 (the child owns it)
             daemon = subprocess.Popen(
                 [sys.executable, "-m", "zend", "serve", "--rank", rank, "--world-size",
-                 str(args.nnodes), "--rendezvous", f"{args.master_addr}:{RENDEZVOUS_PORT}", "--listen", listen,
+                 str(args.nnodes), "--rendezvous", f"{args.master_addr}:{args.rendezvous_port}", "--listen", listen,
                  "--socket-dir", socket_dir, "--log-format", "text"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
