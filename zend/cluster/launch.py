@@ -95,8 +95,7 @@ def local_address_towards(host: str) -> str:
 
 def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str, parent: str | None) -> int:
     """This node's daemon (started here, or one already serving at ZEN_SOCKET_DIR), then torchrun."""
-    from zend.cluster.launcher import stop_group, torchrun_command
-    from zend.daemon.jobs import job_token
+    from zend.cluster.launcher import signals_end_the_job
     from zend.daemon.secret import SecretError, load_secret
     from zend.protocol import paths
 
@@ -111,10 +110,32 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
                          "`zend secret > FILE` once, then ZEN_CLUSTER_SECRET_FILE=FILE on each node") from None
     running = os.environ.get(paths.SOCKET_DIR_ENV, "")
     reuse = bool(running) and _serves(running)
-    run_dir = Path(tempfile.mkdtemp(prefix="zen-", dir=parent))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"zen-{job[:16]}-", dir=parent))
     socket_dir = running if reuse else str(run_dir / "zend")
-    daemon: subprocess.Popen[bytes] | None = None
     failed = True
+    try:
+        with signals_end_the_job():  # SIGTERM / SIGHUP unwind like Ctrl-C: the daemon and torchrun are stopped
+            return_code = _serve_and_train(args, script, job, secret, rank, reuse, run_dir, socket_dir)
+        failed = return_code != 0
+        return return_code
+    except KeyboardInterrupt:  # Ctrl-C: a stop, not a failure: nothing kept
+        failed = False
+        raise
+    except SystemExit as exc:  # SIGTERM / SIGHUP (an exit code) is a stop too; a failed start (a message) is not
+        failed = not isinstance(exc.code, int)
+        raise
+    finally:
+        _end_run(run_dir, failed, logs=["zend.log"])
+
+
+def _serve_and_train(args: argparse.Namespace, script: Sequence[str], job: str, secret: bytes, rank: str,
+                     reuse: bool, run_dir: Path, socket_dir: str) -> int:
+    """The node's daemon unless one is reused, then torchrun; both stopped on the way out."""
+    from zend.cluster.launcher import stop_group, torchrun_command
+    from zend.daemon.jobs import job_token
+    from zend.protocol import paths
+
+    daemon: subprocess.Popen[bytes] | None = None
     try:
         if not reuse:
             listen = args.listen or f"tcp://{local_address_towards(args.master_addr)}:{DATA_PORT}"
@@ -133,18 +154,12 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
             torchrun_command(script, args.node_rank, args.nnodes, args.trainers, args.master_port,
                              master_addr=args.master_addr, rendezvous_id=job), env=env, start_new_session=True)
         try:
-            code = agent.wait()
+            return abs(agent.wait())
         finally:
             stop_group(agent)
-        failed = code != 0
-        return abs(code)
-    except KeyboardInterrupt:  # the user's stop, not a failure: nothing is kept
-        failed = False
-        raise
     finally:
         if daemon is not None:
             stop_group(daemon)
-        _end_run(run_dir, failed, logs=["zend.log"])
 
 
 def _serves(socket_dir: str) -> bool:
@@ -175,7 +190,7 @@ def _end_run(run_dir: Path, failed: bool, logs: Sequence[str]) -> None:
     import shutil
 
     if failed:
-        kept = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}logs-"))
+        kept = Path(tempfile.mkdtemp(prefix=f"zen-logs-{run_dir.name[4:]}"))
         for name in logs:
             with contextlib.suppress(OSError):
                 shutil.copy2(run_dir / name, kept / name)

@@ -80,7 +80,7 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
     first, and where is printed.
     """
     outcome = {"failed": True}
-    with _signals_end_the_job(), tempfile.TemporaryDirectory(prefix="zen-", dir=run_parent) as tmp, \
+    with signals_end_the_job(), tempfile.TemporaryDirectory(prefix=f"zen-{job[:16]}-", dir=run_parent) as tmp, \
             contextlib.ExitStack() as stack:
         stack.callback(lambda: _keep_logs(Path(tmp), job) if outcome["failed"] else None)  # after the cluster stops
         faults = restart_daemon_at is not None and with_zen and nodes > 1
@@ -103,7 +103,7 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
                     cluster.start_node(1)
                     open(os.path.join(tmp, "done"), "w").close()
                 time.sleep(0.2)
-        except KeyboardInterrupt:  # the user's stop, not a failure: nothing is kept
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP: a stop, not a failure: nothing kept
             outcome["failed"] = False
             raise
         finally:
@@ -119,7 +119,7 @@ def _keep_logs(run_dir: Path, job: str) -> None:
     logs = sorted(run_dir.glob("*.log"))
     if not logs:
         return
-    kept = Path(tempfile.mkdtemp(prefix=f"zen-{job}-logs-"))
+    kept = Path(tempfile.mkdtemp(prefix=f"zen-logs-{job[:16]}-"))
     for log in logs:
         with contextlib.suppress(OSError):
             shutil.copy2(log, kept / log.name)
@@ -127,7 +127,7 @@ def _keep_logs(run_dir: Path, job: str) -> None:
 
 
 @contextlib.contextmanager
-def _signals_end_the_job() -> Iterator[None]:
+def signals_end_the_job() -> Iterator[None]:
     """SIGTERM / SIGHUP (a `timeout`, a cancelled CI job, a closed terminal) unwind like Ctrl-C, so
     that the agents, which run in sessions of their own, are stopped too, not left running."""
     if threading.current_thread() is not threading.main_thread():
