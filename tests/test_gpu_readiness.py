@@ -59,22 +59,20 @@ def test_every_module_the_gpu_checks_import_is_on_the_lent_machine_or_carried() 
 
 @pytest.mark.inprocess
 def test_the_carried_grpcio_and_protobuf_are_what_the_stubs_were_generated_for() -> None:
-    stubs = (ROOT / "zend/api/zen/v1/zen_pb2_grpc.py").read_text()
-    grpc_needed = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", stubs)
-    assert grpc_needed is not None
+    """The wheels carried to the GPU machine satisfy the project's own floors (pyproject.toml), which
+    are those of the tools the stubs were generated with."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    declared = {Requirement(r).name: Requirement(r).specifier
+                for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
     carried = dict(line.split("==") for line in gpu_wheels.pinned())
-    assert _version(carried["grpcio"]) >= _version(grpc_needed.group(1))
-    pb = (ROOT / "zend/api/zen/v1/zen_pb2.py").read_text()
-    gencode = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),"
-                        r"\s*(\d+)", pb)
-    assert gencode is not None
-    assert _version(carried["protobuf"]) >= tuple(int(x) for x in gencode.groups())
+    for name in ("grpcio", "protobuf"):
+        assert declared[name].contains(carried[name]), (name, carried[name], str(declared[name]))
+    assert "Protobuf Python Version: 4.25" in (ROOT / "zend/api/zen/v1/zen_pb2.py").read_text()
 
 
 @pytest.mark.daemon
 def test_the_gpu_check_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_checks.sh")]).returncode == 0
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text)[:3])

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.protocol import paths
+from zend.protocol.descriptors import is_repeated
 
 pytestmark = pytest.mark.daemon
 
@@ -55,13 +56,13 @@ def _message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[object
     fields: dict[str, st.SearchStrategy[object]] = {}
     for field in descriptor.fields:
         one = _value(field, depth)
-        fields[field.name] = st.lists(one, max_size=10) if field.is_repeated else one
+        fields[field.name] = st.lists(one, max_size=10) if is_repeated(field) else one
 
     def build(values: dict[str, object]) -> object:
         m = cls()
         for name, value in values.items():
             field = descriptor.fields_by_name[name]
-            if field.is_repeated:
+            if is_repeated(field):
                 target = getattr(m, name)
                 for v in value:  # type: ignore[attr-defined]
                     target.add().CopyFrom(v) if field.type == F.TYPE_MESSAGE else target.append(v)

@@ -14,6 +14,7 @@ from typing import Any
 
 from zend.daemon.settings import FIELDS, SettingsError, resolve
 from zend.protocol import paths
+from zend.protocol.descriptors import is_repeated
 
 log = logging.getLogger("zend.daemon")
 HELP = {
@@ -249,7 +250,7 @@ def message_dict(message: Any) -> dict[str, Any]:
             return _enum_name(field, v)
         return v
 
-    return {f.name: [value(f, v) for v in getattr(message, f.name)] if f.is_repeated
+    return {f.name: [value(f, v) for v in getattr(message, f.name)] if is_repeated(f)
             else value(f, getattr(message, f.name)) for f in message.DESCRIPTOR.fields}
 
 

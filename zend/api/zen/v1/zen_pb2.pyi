@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -89,7 +88,7 @@ class RegisterTensorRequest(_message.Message):
     dtype: DType
     layout: Layout
     average: bool
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., average: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., average: bool = ...) -> None: ...
 
 class RegisterTensorReply(_message.Message):
     __slots__ = ("tensor_id", "scheme", "max_result_bytes")
@@ -165,7 +164,7 @@ class ReadyReply(_message.Message):
     node_count: int
     reason: str
     job_step: int
-    def __init__(self, ready: _Optional[bool] = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ..., reason: _Optional[str] = ..., job_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, ready: bool = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ..., reason: _Optional[str] = ..., job_step: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -181,7 +180,7 @@ class PeerStatus(_message.Message):
     address: str
     connected: bool
     error: str
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., connected: bool = ..., error: _Optional[str] = ...) -> None: ...
 
 class TensorStatus(_message.Message):
     __slots__ = ("job_id", "name", "tensor_id", "shape", "dtype", "layout", "scheme", "last_step", "steps", "last_sync_seconds", "last_nnz_in", "last_nnz_out", "last_bytes_sent", "last_push_imbalance", "last_pull_imbalance")
@@ -273,7 +272,7 @@ class StatusReply(_message.Message):
     session_count: int
     tensor_count: int
     data_plane_engine: str
-    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ..., redacted: _Optional[bool] = ..., session_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., data_plane_engine: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: bool = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ..., redacted: bool = ..., session_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., data_plane_engine: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_seconds",)
@@ -299,4 +298,4 @@ class UndrainReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     reason: str
-    def __init__(self, serving: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, serving: bool = ..., reason: _Optional[str] = ...) -> None: ...
