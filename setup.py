@@ -3,6 +3,8 @@ built (no compiler, no OpenSSL headers) the install goes on without it and zen u
 
 from __future__ import annotations
 
+import os
+
 from setuptools import Extension, setup
 
 try:
@@ -15,8 +17,12 @@ except ImportError:  # no pybind11: the optional extension fails to build, the i
 NATIVE = "zend/transport/native"
 SOURCES = ["text", "pool", "seal", "wire", "abort_notice", "admission", "mailboxes", "engine", "bindings"]
 
+# ZEN_NATIVE_BUILD=0: no engine build, for a second venv over a tree whose engine is already built in place
+# (scripts/torch_matrix.sh, scripts/floor_check.sh: same Python, another torch or grpc)
+BUILD = os.environ.get("ZEN_NATIVE_BUILD", "1") != "0"
+
 setup(
-    ext_modules=[
+    ext_modules=[] if not BUILD else [
         Extension(
             "zend._engine",
             sources=[f"{NATIVE}/{name}.cpp" for name in SOURCES],

@@ -79,7 +79,7 @@ def test_launch_ctrl_c_midway_leaves_nothing_behind(xdg: Path) -> None:
         assert secret.stat().st_mode & 0o077 == 0  # the run's own secret: the user's only
         time.sleep(3)  # midway: the trainers are past their first step
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=180)  # the stop of two nodes, their agents and ranks (SIGTERM, then 10 s)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
