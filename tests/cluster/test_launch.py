@@ -41,8 +41,24 @@ def _user_env(runtime_dir: Path) -> dict[str, str]:
 
 
 def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """`zend launch` as from a terminal: SIGINT at its default (a shell's background job, such as a CI
+    runner's, starts its children with SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
     return subprocess.Popen([sys.executable, "-m", "zend", "launch", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _stop(proc: subprocess.Popen[str], xdg: Path) -> None:
+    """A launcher a test gave up on: SIGTERM (it stops what it started), then SIGKILL, then whatever of its
+    run (daemons and agents are in sessions of their own) still names its folder."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    subprocess.run(["pkill", "-KILL", "-f", str(xdg)], check=False)
 
 
 def _left_running(job: str) -> str:
@@ -81,9 +97,7 @@ def test_launch_ctrl_c_midway_leaves_nothing_behind(xdg: Path) -> None:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=180)  # the stop of two nodes, their agents and ranks (SIGTERM, then 10 s)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc, xdg)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err
     assert os.listdir(xdg) == []
@@ -259,9 +273,7 @@ def test_launch_one_node_of_many_without_node_ranks(tmp_path: Path, xdg: Path) -
             outs.append(out)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc, xdg)
     assert sorted(re.findall(r"rank (\d) of 4: ok, job firsthour-nodes", "".join(outs))) == ["0", "1", "2", "3"]
     assert os.listdir(xdg) == []
     assert _left_running("firsthour-nodes") == ""

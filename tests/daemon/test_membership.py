@@ -25,7 +25,6 @@ import pytest
 
 from zend.cluster.local import free_port
 from zend.daemon.membership import (
-    AUTO_RANK,
     MembershipError,
     RendezvousTimeoutError,
     check_agreement,
@@ -33,6 +32,7 @@ from zend.daemon.membership import (
     rendezvous,
     static_membership,
 )
+from zend.daemon.settings import AUTO_RANK
 from zend.transport.handshake import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -382,7 +382,6 @@ def test_a_jobs_sessions_are_bounded_by_its_quota_per_job():
         reg.open_session("a", 1, 2, pid=4)
 
 
-@pytest.mark.inprocess
 def test_rank_auto_takes_the_rendezvous_and_nothing_else() -> None:
     s = resolve({"rank": "auto", "world_size": 3, "rendezvous": "10.0.0.1:7001", "listen": "tcp://10.0.0.2:7000"},
                 env={})

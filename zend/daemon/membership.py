@@ -32,6 +32,7 @@ from typing import Any
 
 from zend.daemon import member_entry
 from zend.daemon.agreement import disagreements, show_value
+from zend.daemon.settings import AUTO_RANK
 from zend.daemon.store_seal import StoreSeal
 from zend.transport import parse_uri
 from zend.transport.handshake import PROTOCOL_VERSION
@@ -46,7 +47,6 @@ ADDRESS_VARIABLES = ("ZEN_RENDEZVOUS_ADDR", "MASTER_ADDR", "PET_MASTER_ADDR")
 PORT_VARIABLE = "ZEN_RENDEZVOUS_PORT"
 DEFAULT_RENDEZVOUS_PORT = 7001  # beside the data plane's 7000; not torchrun's 29400 / 29500
 POLL_S = 0.02
-AUTO_RANK = -1  # `--rank auto`: the one-shot rendezvous assigns it (its store's host is 0, the others in arrival order)
 
 
 class MembershipError(ValueError):

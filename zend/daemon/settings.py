@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from zend.daemon.membership import AUTO_RANK
 from zend.protocol import paths
 from zend.transport import parse_uri
 
 ENV_PREFIX = "ZEND_"
+AUTO_RANK = -1  # `--rank auto`: the one-shot rendezvous assigns it (its store's host is 0, the others in arrival order)
 
 
 class SettingsError(ValueError):
