@@ -16,15 +16,15 @@ SANITIZED = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-n
 # the install builds the native engine (zend._engine) where g++ and OpenSSL's headers are; where not,
 # it goes on without it and zend runs the Python data plane. The demo's install is the daemon's
 # (tcp on loopback: no UCX, no test tools); the tests' adds the dev and ucx extras.
-$(DEMO): pyproject.toml constraints.txt $(NATIVE)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+
+$(DEMO): pyproject.toml constraints.txt $(NATIVE) | $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[daemon]'
 	touch $(DEMO)
 
-$(STAMP): pyproject.toml constraints.txt $(NATIVE)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+$(STAMP): pyproject.toml constraints.txt $(NATIVE) | $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[daemon,dev,ucx]'
 	touch $(STAMP) $(DEMO)
 

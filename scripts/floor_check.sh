@@ -7,10 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:-all}
 venv=build/floor-venv
-python=${PYTHON:-python3}
 if [ "$phase" != test ]; then
-test -x "$venv/bin/python" || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
+mkdir -p "$venv"
 cat > "$venv/constraints.txt" <<PINS
 $(grep '^torch==' constraints.txt)
 grpcio==1.62.3
@@ -18,8 +16,7 @@ grpcio-health-checking==1.62.3
 grpcio-reflection==1.62.3
 protobuf==4.25.1
 PINS
-ZEN_NATIVE_BUILD=0 "$venv/bin/python" -m pip install -q -c "$venv/constraints.txt" -e '.[daemon]' pytest \
-    pytest-timeout hypothesis expecttest
+scripts/compat_venv.sh "$venv" "$venv/constraints.txt"
 fi
 [ "$phase" = install ] && exit 0
 "$venv/bin/python" -c "import grpc, google.protobuf as pb, zen; print('grpcio', grpc.__version__, 'protobuf', pb.__version__)"

@@ -9,13 +9,10 @@ cd "$(dirname "$0")/.."
 version=${1:?usage: scripts/torch_matrix.sh TORCH_VERSION [install|test|all]}
 phase=${2:-all}
 venv=build/torch-$version
-python=${PYTHON:-python3}
 if [ "$phase" != test ]; then
-    test -x "$venv/bin/python" || "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
+    mkdir -p "$venv"
     grep -v '^torch==' constraints.txt > "$venv/constraints.txt"
-    ZEN_NATIVE_BUILD=0 "$venv/bin/python" -m pip install -q -c "$venv/constraints.txt" "torch==$version" \
-        -e '.[daemon]' pytest pytest-timeout hypothesis expecttest
+    scripts/compat_venv.sh "$venv" "$venv/constraints.txt" "torch==$version"
 fi
 if [ "$phase" != install ]; then
     "$venv/bin/python" -c "import torch, zen; print('torch', torch.__version__, 'zen', zen.__version__)"

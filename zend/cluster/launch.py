@@ -15,13 +15,11 @@ starts reads its other settings from ZEND_* variables, as `zend serve` does.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -125,13 +123,14 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
         failed = not isinstance(exc.code, int)
         raise
     finally:
-        _end_run(run_dir, failed, logs=["zend.log"])
+        _end_run(run_dir, job, failed)
 
 
 def _serve_and_train(args: argparse.Namespace, script: Sequence[str], job: str, secret: bytes, rank: str,
                      reuse: bool, run_dir: Path, socket_dir: str) -> int:
     """The node's daemon unless one is reused, then torchrun; both stopped on the way out."""
     from zend.cluster.launcher import stop_group, torchrun_command
+    from zend.cluster.local import wait_serving
     from zend.daemon.jobs import job_token
     from zend.protocol import paths
 
@@ -146,7 +145,10 @@ def _serve_and_train(args: argparse.Namespace, script: Sequence[str], job: str, 
                  "--socket-dir", socket_dir, "--log-format", "text"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
-            _wait_serving(socket_dir, daemon, run_dir / "zend.log", timeout_s=600)
+            try:
+                wait_serving(paths.grpc_address(socket_dir), daemon, run_dir / "zend.log", timeout_s=600)
+            except RuntimeError as exc:
+                raise SystemExit(f"zend launch: {exc}") from None
         env = {**os.environ, paths.SOCKET_DIR_ENV: socket_dir, "ZEN_JOB": job,
                "ZEN_JOB_TOKEN": os.environ.get("ZEN_JOB_TOKEN") or job_token(secret, job), "OMP_NUM_THREADS":
                os.environ.get("OMP_NUM_THREADS", "1")}
@@ -174,25 +176,12 @@ def _serves(socket_dir: str) -> bool:
         return False
 
 
-def _wait_serving(socket_dir: str, daemon: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not _serves(socket_dir):
-        if daemon.poll() is not None:
-            raise SystemExit(f"zend launch: the daemon exited with {daemon.returncode}; its log ({log}):\n"
-                             + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
-        if time.monotonic() > deadline:
-            raise SystemExit(f"zend launch: the daemon does not serve within {timeout_s:g} s; its log: {log}")
-        time.sleep(0.2)
-
-
-def _end_run(run_dir: Path, failed: bool, logs: Sequence[str]) -> None:
+def _end_run(run_dir: Path, job: str, failed: bool) -> None:
     """The run folder goes; when the job failed its logs are kept first, and where they are is said."""
     import shutil
 
+    from zend.cluster.launcher import keep_logs
+
     if failed:
-        kept = Path(tempfile.mkdtemp(prefix=f"zen-logs-{run_dir.name[4:]}"))
-        for name in logs:
-            with contextlib.suppress(OSError):
-                shutil.copy2(run_dir / name, kept / name)
-        print(f"zend launch: the job failed; the daemons' logs are in {kept}", file=sys.stderr)
+        keep_logs(run_dir, job)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -82,7 +82,7 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
     outcome = {"failed": True}
     with signals_end_the_job(), tempfile.TemporaryDirectory(prefix=f"zen-{job[:16]}-", dir=run_parent) as tmp, \
             contextlib.ExitStack() as stack:
-        stack.callback(lambda: _keep_logs(Path(tmp), job) if outcome["failed"] else None)  # after the cluster stops
+        stack.callback(lambda: keep_logs(Path(tmp), job) if outcome["failed"] else None)  # after the cluster stops
         faults = restart_daemon_at is not None and with_zen and nodes > 1
         extra = ["--log-format", "text", *(["--peer-timeout-s", "2"] if faults else [])]
         cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=extra, elastic=faults)) \
@@ -114,7 +114,7 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
     return code
 
 
-def _keep_logs(run_dir: Path, job: str) -> None:
+def keep_logs(run_dir: Path, job: str) -> None:
     """The daemons' logs of a failed job, out of the run folder (which goes) into one of their own."""
     logs = sorted(run_dir.glob("*.log"))
     if not logs:

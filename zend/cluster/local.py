@@ -32,6 +32,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_serving(address: str, proc: subprocess.Popen[bytes] | None, log: Path, timeout_s: float,
+                 what: str = "the daemon") -> None:
+    """Until the daemon at `address` says SERVING to the health check; RuntimeError, with the end of its
+    log, if its process exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; its log ({log}):\n{log_tail(log)}")
+        with contextlib.suppress(grpc.RpcError):
+            if health_status(address, 1.0) == "SERVING":
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready within {timeout_s:g} s; its log ({log}):\n{log_tail(log)}")
+
+
 class LocalCluster:
     """`with LocalCluster(4, workdir) as c:` N daemons; `c.socket_dir(i)`, `c.token(job)`, `c.kill(i)`."""
 
@@ -137,23 +159,11 @@ class LocalCluster:
 
     def wait_ready(self, node: int, timeout_s: float | None = None) -> None:
         """Until the node's health check says SERVING; the error carries the end of its log."""
-        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
-        address = paths.grpc_address(self.socket_dir(node))
-        while time.monotonic() < deadline:
-            proc = self.procs.get(node)
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"zend node {node} exited with {proc.returncode}:\n{self.log_tail(node)}")
-            with contextlib.suppress(grpc.RpcError):
-                if health_status(address, 1.0) == "SERVING":
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"zend node {node} not ready within the timeout:\n{self.log_tail(node)}")
+        wait_serving(paths.grpc_address(self.socket_dir(node)), self.procs.get(node), self.log_path(node),
+                     timeout_s or self.ready_timeout_s, what=f"zend node {node}")
 
     def log_tail(self, node: int, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path(node).read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path(node), lines)
 
     def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
         """Signal node's daemon (its process group) and wait for it to end."""
