@@ -15,6 +15,7 @@ from typing import Any
 from zend.daemon.settings import FIELDS, SettingsError, resolve
 from zend.protocol import paths
 from zend.protocol.descriptors import is_repeated
+from zend.protocol.operator_channel import TLS_CA_ENV, OperatorChannelTls
 
 log = logging.getLogger("zend.daemon")
 HELP = {
@@ -45,6 +46,9 @@ HELP = {
     "grpc_listen_trainers": "1: serve the Trainer service on --grpc-listen too (job tokens cross the network in "
                             "clear; trainers normally use the unix socket)",
     "metrics_host": "address the Prometheus endpoint binds (0.0.0.0 for a Prometheus on another host or pod)",
+    "operator_tls_cert_file": "PEM certificate (chain) for TLS on the operator endpoints: the gRPC port of "
+                              "--grpc-listen and the metrics endpoint (https); reloaded when the file changes",
+    "operator_tls_key_file": "PEM private key of --operator-tls-cert-file",
     "metrics_port": "Prometheus port (0: off)",
     "max_tensors_per_job": "tensors one job may register on this node (RESOURCE_EXHAUSTED beyond)",
     "max_job_buffer_bytes": "shared-buffer bytes one job may hold on this node, all its trainers together "
@@ -134,15 +138,31 @@ def _add_daemon_address(parser: argparse.ArgumentParser) -> None:
                         help=f"the daemon's socket folder (default ${paths.SOCKET_DIR_ENV}, else "
                              f"{paths.DEFAULT_SOCKET_DIR})")
     parser.add_argument("--address", default=None, help="gRPC HOST:PORT instead of the unix socket")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help=f"with --address: TLS, trusting the CA certificates in FILE (PEM; default "
+                             f"${TLS_CA_ENV}); for a daemon with operator_tls_cert_file")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="with --tls-ca: the name the daemon's certificate must carry, when --address "
+                             "gives an IP address or another name")
 
 
 def _daemon_address(args: argparse.Namespace) -> str:
     return args.address or paths.grpc_address(args.socket_dir or paths.socket_dir_from_env())
 
 
+def _daemon_tls(args: argparse.Namespace) -> OperatorChannelTls | None:
+    """TLS for --address when a CA is given (--tls-ca or $ZEN_OPERATOR_TLS_CA_FILE); None for the unix
+    socket or a daemon in clear. OSError naming the file if it cannot be read."""
+    ca_file = args.tls_ca or os.environ.get(TLS_CA_ENV)
+    if not args.address or not ca_file:
+        return None
+    return OperatorChannelTls.from_files(ca_file, args.tls_server_name)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from zend.daemon.daemon import Daemon
     from zend.daemon.logs import setup_logging
+    from zend.daemon.operator_tls import OperatorTlsError
     from zend.daemon.secret import SecretError
     from zend.runtime.tuning import tune_process
 
@@ -158,6 +178,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         daemon = Daemon(settings)  # reads the cluster secret
     except (OSError, SecretError) as exc:
         print(f"zend serve: cluster secret: {exc}", file=sys.stderr)
+        return 2
+    except OperatorTlsError as exc:
+        print(f"zend serve: {exc}", file=sys.stderr)
         return 2
     stop_requested = []
 
@@ -196,6 +219,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from zend.api.zen.v1 import zen_pb2 as pb
     from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
     from zend.daemon.secret import HOW_TO_SET, SecretError
+    from zend.protocol.operator_channel import operator_channel
 
     address = _daemon_address(args)
     try:
@@ -203,12 +227,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     except (OSError, SecretError) as exc:
         print(f"zend status: cluster secret: {exc}", file=sys.stderr)
         return 2
+    try:
+        tls = _daemon_tls(args)
+    except OSError as exc:
+        print(f"zend status: {exc.strerror}", file=sys.stderr)
+        return 2
     if token is None and (args.drain is not None or args.undrain):
         print(f"zend status: --{'drain' if args.drain is not None else 'undrain'} needs the operator token, "
               f"derived from the cluster secret, and no secret is set: {HOW_TO_SET}", file=sys.stderr)
         return 2
     metadata = [("authorization", f"Bearer {token}")] if token is not None else []
-    with grpc.insecure_channel(address) as channel:
+    with operator_channel(address, tls) as channel:
         stub = pb_grpc.OperatorStub(channel)
         try:
             if args.drain is not None:
@@ -334,7 +363,12 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     address = _daemon_address(args)
     try:
-        status = health_status(address, args.timeout)
+        tls = _daemon_tls(args)
+    except OSError as exc:
+        print(f"zend health: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        status = health_status(address, args.timeout, tls)
     except grpc.RpcError as exc:
         print(f"zend health: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -48,6 +48,7 @@ from zend.daemon.node_state import (
 )
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
+from zend.daemon.operator_tls import OperatorTls
 from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
 from zend.daemon.socket_steps import SocketSteps
@@ -72,6 +73,9 @@ class Daemon:
 
         s = self.settings = settings
         self.secret = load_secret(s.secret_file or None)
+        # TLS on the operator endpoints (OperatorTlsError, naming the file, before anything listens)
+        self.operator_tls = (OperatorTls(s.operator_tls_cert_file, s.operator_tls_key_file)
+                             if s.operator_tls_cert_file else None)
         self.metrics = DaemonMetrics(max(s.rank, 0))  # --rank auto: 0 until the rendezvous assigns one
         self.registry = JobRegistry(self.secret, s.max_tensors_per_job, s.max_session_bytes, s.max_sessions_per_job)
         # GPU buffers (CUDA IPC) wherever the daemon sees a GPU, never in expandable segments (IPC cannot share them)
@@ -112,7 +116,8 @@ class Daemon:
         self._start_grpc()
         if s.metrics_port:
             # OSError at once if the port is taken; job and tensor names only for the operator token
-            self.metrics.serve(s.metrics_host, s.metrics_port, operator_token(self.secret))
+            self.metrics.serve(s.metrics_host, s.metrics_port, operator_token(self.secret),
+                               self.operator_tls.context if self.operator_tls is not None else None)
         if s.data_plane_security == "none":
             log.warning("DATA PLANE IN CLEAR: --data-plane-security none; gradients between daemons can be read "
                         "and rewritten by anyone on the path", extra={"event": "security", "security": "none"})
@@ -159,10 +164,11 @@ class Daemon:
                 log.warning("the Trainer service is served on TCP too: job tokens cross the network in clear",
                             extra={"event": "trainers_on_tcp", "address": s.grpc_listen})
             self._grpc_server(s.grpc_listen, operator, trainer if s.grpc_listen_trainers else None,
-                              NETWORK_LISTENER_OPTIONS)
+                              NETWORK_LISTENER_OPTIONS,
+                              self.operator_tls.grpc_credentials() if self.operator_tls is not None else None)
 
     def _grpc_server(self, address: str, operator: OperatorService, trainer: TrainerService | None,
-                     options: tuple[tuple[str, Any], ...] = ()) -> None:
+                     options: tuple[tuple[str, Any], ...] = (), credentials: Any = None) -> None:
         """A started gRPC server on `address` with the Operator service, health, reflection and, if
         given, the Trainer service; OSError if the address will not bind."""
         assert self.grpc is not None
@@ -173,7 +179,8 @@ class Daemon:
         served = [n for n in SERVICES if trainer is not None or n != "zen.v1.Trainer"]
         self.grpc.serve(address, services, (*(pb.DESCRIPTOR.services_by_name[n.split(".")[-1]].full_name
                                               for n in served),
-                                            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), options)
+                                            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), options,
+                        credentials)
 
     def _set_serving(self, serving: bool) -> None:
         """What the node state tells health (under its lock): SERVING or NOT_SERVING."""
@@ -345,7 +352,8 @@ class Daemon:
             buffer_pool_bytes=self.buffers.pool_bytes,
             receive_pool_bytes=pool.pooled_bytes if pool else 0,
             receive_pool_reuse_ratio=pool.reused / max(1, pool.reused + pool.allocated) if pool else 0.0,
-            peer_up={p.rank: p.connected for p in t.peer_states()} if t is not None else {})
+            peer_up={p.rank: p.connected for p in t.peer_states()} if t is not None else {},
+            state=self.node_state.state.name)
 
     def status(self) -> NodeStatus:
         """The node as `zend status` shows it."""

@@ -7,7 +7,8 @@ and trainers, and a 4-thread scrape flood cut a job from 264 to 20 steps/s. Here
 requests a second (more are closed at once, unread: the cost of an accept), each given `timeout_s`
 to send its request and take the answer, and the page is rendered at most once per `cache_s` per
 kind of scrape (named or opaque, text or OpenMetrics). Running out of descriptors is logged (once a
-minute) instead of spinning.
+minute) instead of spinning. With TLS (operator_tls.py), the handshake is made on the worker, within the
+same timeout, so a client that stalls it holds one slot, never the accepting thread.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 log = logging.getLogger("zend.metrics")
 Render = Callable[[bool, str], tuple[bytes, str]]  # (named, Accept header) -> (body, content type)
+TlsContext = Callable[[], ssl.SSLContext]  # the server context for a new connection (None: plain HTTP)
 
 
 class _Quiet(WSGIRequestHandler):
@@ -40,6 +43,7 @@ class _Bounded(WSGIServer):
     timeout_s = 5.0
     rate_per_s = 10.0  # requests served a second, on average (Prometheus scrapes every few seconds)
     burst = 20
+    tls: TlsContext | None = None
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -85,6 +89,8 @@ class _Bounded(WSGIServer):
 
     def _serve(self, request: Any, client_address: Any) -> None:
         try:
+            if self.tls is not None:  # the handshake here, on a worker, within the connection's timeout
+                request = self.tls().wrap_socket(request, server_side=True)
             self.finish_request(request, client_address)
         except Exception:
             self.handle_error(request, client_address)
@@ -103,9 +109,9 @@ class _Bounded(WSGIServer):
 
 
 def serve(host: str, port: int, render: Render, named: Callable[[str | None], bool],
-          cache_s: float = 1.0) -> BaseServer:
-    """Serve `render`'s page on http://host:port/ (any path) on threads of its own; OSError naming the
-    port if it will not bind. `named(authorization header)` says whether a scrape sees names;
+          cache_s: float = 1.0, tls: TlsContext | None = None) -> BaseServer:
+    """Serve `render`'s page on http://host:port/ (https:// with `tls`; any path) on threads of its own;
+    OSError naming the port if it will not bind. `named(authorization header)` says whether a scrape sees names;
     `render(named, accept)` is called at most once per `cache_s` per kind of scrape."""
     cache: dict[tuple[bool, str], tuple[float, bytes, str]] = {}
     lock = threading.Lock()
@@ -124,14 +130,15 @@ def serve(host: str, port: int, render: Render, named: Callable[[str | None], bo
         start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
         return [body]
 
-    return _start(host, port, app)
+    return _start(host, port, app, tls)
 
 
-def _start(host: str, port: int, app: Any) -> BaseServer:
+def _start(host: str, port: int, app: Any, tls: TlsContext | None = None) -> BaseServer:
     try:
         server = make_server(host, port, app, _Bounded, handler_class=_Quiet)
     except OSError as exc:  # name the port: "Address already in use" alone does not say which
         raise OSError(exc.errno, f"metrics port {port} on {host}: {exc.strerror} (set --metrics-port, "
                                  "0 turns metrics off)") from exc
+    server.tls = tls
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -46,16 +46,18 @@ class GrpcServers:
         self.servers: list[grpc.aio.Server] = []
 
     def serve(self, address: str, services: Sequence[Registration], reflected: Sequence[str],
-              options: Sequence[tuple[str, Any]] = ()) -> None:
+              options: Sequence[tuple[str, Any]] = (), credentials: grpc.ServerCredentials | None = None) -> None:
         """A started server on `address` with `services` and reflection of the `reflected` service names,
-        with `options` beside the servers' own; OSError if the address will not bind."""
+        with `options` beside the servers' own, TLS if `credentials` are given; OSError if the address
+        will not bind."""
         async def start() -> grpc.aio.Server:
             server = grpc.aio.server(migration_thread_pool=self.pool, options=[*self.options, *options])
             for add, servicer in services:
                 add(servicer, server)
             reflection.enable_server_reflection((*reflected, reflection.SERVICE_NAME), server)
             try:
-                port = server.add_insecure_port(address)
+                port = (server.add_secure_port(address, credentials) if credentials is not None
+                        else server.add_insecure_port(address))
             except RuntimeError as exc:
                 port, why = 0, f": {exc}"
             else:

@@ -1,11 +1,14 @@
 """The daemon's Prometheus series (prometheus-client, one registry per daemon), and who records them.
 
 Steps are recorded by `record_step` as they finish; the node's levels (trainers connected, steps
-in flight, pool sizes, peers up) are read at scrape time by a collector from `watch(readings)`,
-so no thread has to keep gauges fresh. Label sets stay bounded: phases, schemes, status codes
-and peers are small fixed sets, and per-tensor series are kept for at most `max_tensors`
-tensors (others report as "other"). The training job is labelled `zen_job`: Prometheus
-reserves `job` for the scrape job.
+in flight, pool sizes, peers up, the node's state) are read at scrape time by a collector from
+`watch(readings)`, so no thread has to keep gauges fresh. The process (descriptors, memory, CPU)
+and the interpreter are prometheus-client's own collectors on the same registry. Label sets stay
+bounded: phases, schemes, states, status codes and peers are small fixed sets, and per-tensor
+series are kept for at most `max_tensors` tensors, per-job series for at most `max_jobs` jobs
+(others report as "other"). The training job is labelled `zen_job`: Prometheus reserves `job` for
+the scrape job. Names follow Prometheus' conventions: base units, `_total` on counters, `_ratio`
+on fractions.
 
 Names are the operator's: a scrape that presents the operator token (`authorization: Bearer
 <token>`, Prometheus' `authorization` in a scrape config) sees job and tensor names; any other sees
@@ -21,12 +24,22 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from zend.core.comm import Communicator
+from zend.daemon import errors as codes
 from zend.daemon import exposition
 from zend.daemon.jobs import bearer_of, job_key, tensor_id
 from zend.protocol.version import daemon_version
@@ -39,6 +52,13 @@ if TYPE_CHECKING:
 # the phases of a step on this node: they add up to a step's time there, so sums over `phase` hold;
 # the time a trainer waits on the daemon, end to end, is zen_step_duration_seconds
 PHASES = ("wait", "local_sum", "agree", "exchange", "commit", "deliver")
+# the node's states as zen_node_state shows them (node_state.py's phases, with an operator's drain apart)
+STATES = ("joining", "serving", "changing", "draining", "stopping")
+# the codes of a caller's mistake (zen_errors_total{cause="client"}): they do not page; every other code
+# is a fault of a daemon, a peer or the network (cause="fault")
+CLIENT_CODES = frozenset({codes.INVALID_ARGUMENT, codes.NOT_FOUND, codes.PERMISSION_DENIED,
+                          codes.UNAUTHENTICATED, codes.FAILED_PRECONDITION, codes.RESOURCE_EXHAUSTED,
+                          "ALREADY_EXISTS", "OUT_OF_RANGE", "CANCELLED", "UNIMPLEMENTED"})
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -52,6 +72,7 @@ class NodeReadings:
     receive_pool_bytes: int = 0
     receive_pool_reuse_ratio: float = 0.0
     peer_up: dict[int, bool] = field(default_factory=dict)
+    state: str = "joining"  # one of STATES
 
 
 # name, help, the NodeReadings field it shows
@@ -88,6 +109,11 @@ class _LevelCollector(Collector):
         for peer, up in sorted((now.peer_up if now is not None else {}).items()):
             peers.add_metric([str(peer)], 1.0 if up else 0.0)
         yield peers
+        states = GaugeMetricFamily("zen_node_state", "1 for the node's state now (joining, serving, changing "
+                                   "generation, draining, stopping), 0 for the others", labels=["state"])
+        for state in STATES:
+            states.add_metric([state], 1.0 if now is not None and now.state == state else 0.0)
+        yield states
 
 
 class Redacted:
@@ -112,11 +138,14 @@ def _opaque(labels: dict[str, str]) -> dict[str, str]:
 
 
 class DaemonMetrics:
-    def __init__(self, node: int, max_tensors: int = 64):
+    def __init__(self, node: int, max_tensors: int = 64, max_jobs: int = 16):
         disable_created_metrics()  # a `_created` series per counter doubles the series and nothing reads them
         self.registry = CollectorRegistry()
-        self.max_tensors = max_tensors
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):  # process_open_fds, python_info, ...
+            collector(registry=self.registry)
+        self.max_tensors, self.max_jobs = max_tensors, max_jobs
         self._tensors: set[str] = set()
+        self._jobs: set[str] = set()
         self._last_scheme: dict[tuple[str, str], str] = {}  # (job, tensor) -> the scheme of its last step
         self._lock = threading.Lock()
         r = self.registry
@@ -134,20 +163,29 @@ class DaemonMetrics:
         self.saved_bytes = Counter("zen_saved_bytes", "Dense-equivalent bytes minus bytes really sent", registry=r)
         self.steps = Counter("zen_tensor_steps", "Tensor-steps synchronised on this node (one per tensor and step; "
                              "a DDP step of k buckets counts k), by scheme", ["scheme"], registry=r)
-        self.errors = Counter("zen_errors", "Failed requests and steps, by gRPC status code", ["code"], registry=r)
+        self.errors = Counter("zen_errors", "Failed requests and steps, by gRPC status code and cause (client: the "
+                              "caller's mistake; fault: a daemon's, a peer's or the network's)", ["code", "cause"],
+                              registry=r)
+        self.job_step_seconds = Histogram("zen_job_step_duration_seconds",
+                                          "One trainer's step in the daemon, end to end, by job", ["zen_job"],
+                                          buckets=BUCKETS, registry=r)
+        self.job_bytes_sent = Counter("zen_job_sent_bytes", "Data-plane payload bytes sent for a job's steps",
+                                      ["zen_job"], registry=r)
+        self.job_steps = Counter("zen_job_tensor_steps", "Tensor-steps synchronised on this node, by job",
+                                 ["zen_job"], registry=r)
         per_tensor = ["zen_job", "tensor"]
         self.nnz_in = Gauge("zen_tensor_input_rows", "Non-zero rows this node contributed at the last step",
                             per_tensor, registry=r)
         self.nnz_out = Gauge("zen_tensor_output_rows", "Non-zero rows of the summed gradient at the last step",
                              per_tensor, registry=r)
-        self.density = Gauge("zen_tensor_density", "Output non-zero rows / rows at the last step", per_tensor,
+        self.density = Gauge("zen_tensor_density_ratio", "Output non-zero rows / rows at the last step", per_tensor,
                              registry=r)
-        self.densification = Gauge("zen_tensor_densification",
+        self.densification = Gauge("zen_tensor_densification_ratio",
                                    "Output non-zero rows / mean input rows per node at the last step", per_tensor,
                                    registry=r)
-        self.push_imbalance = Gauge("zen_push_imbalance", "Cluster push load imbalance at the last step (1 = even)",
-                                    per_tensor, registry=r)
-        self.pull_imbalance = Gauge("zen_pull_imbalance", "Cluster pull imbalance at the last step (1 = even)",
+        self.push_imbalance = Gauge("zen_push_imbalance_ratio",
+                                    "Cluster push load imbalance at the last step (1 = even)", per_tensor, registry=r)
+        self.pull_imbalance = Gauge("zen_pull_imbalance_ratio", "Cluster pull imbalance at the last step (1 = even)",
                                     per_tensor, registry=r)
         self.scheme = Gauge("zen_scheme_chosen", "1 for the scheme each tensor used at its last step",
                             [*per_tensor, "scheme"], registry=r)
@@ -178,21 +216,25 @@ class DaemonMetrics:
         self.build_info.labels(daemon_version(), engine).set(1)
 
     def count_error(self, code: str) -> None:
-        self.errors.labels(code=code).inc()
+        self.errors.labels(code=code, cause="client" if code in CLIENT_CODES else "fault").inc()
 
     def record_delivery(self, scheme: str, seconds: float) -> None:
         """One trainer's result written into its buffer."""
         self.sync_seconds.labels(scheme=scheme, phase="deliver").observe(seconds)
 
-    def record_trainer_step(self, scheme: str, seconds: float) -> None:
+    def record_trainer_step(self, job: str, scheme: str, seconds: float) -> None:
         """One trainer's submit answered with its result in its buffer."""
         self.step_seconds.labels(scheme=scheme).observe(seconds)
+        self.job_step_seconds.labels(self.job_label(job)).observe(seconds)
 
     def record_step(self, job: str, tensor_name: str, outcome: StepOutcome) -> None:
         """A step of a tensor that succeeded on this node."""
         for phase, seconds in outcome.phases.items():
             self.sync_seconds.labels(scheme=outcome.scheme, phase=phase).observe(seconds)
         self.steps.labels(scheme=outcome.scheme).inc()
+        job_label = self.job_label(job)
+        self.job_steps.labels(job_label).inc()
+        self.job_bytes_sent.labels(job_label).inc(outcome.bytes_sent)
         self.dense_bytes.inc(outcome.dense_bytes)
         self.saved_bytes.inc(max(0, outcome.dense_bytes - outcome.bytes_sent))
         labels = self.tensor_label(job, tensor_name)
@@ -220,13 +262,22 @@ class DaemonMetrics:
                 return job, name
         return "other", "other"
 
+    def job_label(self, job: str) -> str:
+        """The job's `zen_job` label, or "other" past the bound."""
+        with self._lock:
+            if job in self._jobs or len(self._jobs) < self.max_jobs:
+                self._jobs.add(job)
+                return job
+        return "other"
+
     def counting(self, comm: Communicator) -> Communicator:
         """`comm`, with its payload bytes counted per peer."""
         return _CountingCommunicator(comm, self)
 
-    def serve(self, host: str, port: int, operator_token: str | None = None) -> None:
-        """The exposition on http://host:port/ (any path), bounded (exposition.py); names only for the
-        operator token (see the module's docstring), none at all when no token is given."""
+    def serve(self, host: str, port: int, operator_token: str | None = None,
+              tls: exposition.TlsContext | None = None) -> None:
+        """The exposition on http://host:port/ (https:// with `tls`; any path), bounded (exposition.py);
+        names only for the operator token (see the module's docstring), none at all without one."""
         redacted = Redacted(self.registry)
 
         def named(authorization: str | None) -> bool:
@@ -237,7 +288,7 @@ class DaemonMetrics:
             encoder, content_type = choose_encoder(accept)
             return encoder(self.registry if with_names else redacted), content_type
 
-        exposition.serve(host, port, render, named)
+        exposition.serve(host, port, render, named, tls=tls)
 
 
 class _CountingCommunicator(Communicator):

@@ -54,6 +54,14 @@ class NodeState:
         return self.accept_error
 
     @property
+    def name(self) -> str:
+        """The state in one word (the metric zen_node_state): the phase, or "draining" for a drained node
+        that is not stopping."""
+        if self.drained and self.phase is not Phase.STOPPING:
+            return "draining"
+        return self.phase.value
+
+    @property
     def serving(self) -> bool:
         return self.why_not_serving() is None
 

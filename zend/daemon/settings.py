@@ -68,6 +68,8 @@ class Settings:
     # observability
     metrics_port: int = 7071             # 0 turns it off; beside 7000/7001/7070 (9400 is the DCGM exporter's)
     metrics_host: str = "127.0.0.1"      # this host only; 0.0.0.0 (or the pod's IP) for a Prometheus elsewhere
+    operator_tls_cert_file: str = ""     # PEM: TLS on the gRPC port (grpc_listen) and the metrics endpoint
+    operator_tls_key_file: str = ""      # ... its key (both or neither; reloaded when they change)
     log_format: str = "json"             # json or text
     log_level: str = "INFO"
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -247,5 +249,9 @@ def validate(s: Settings) -> None:
         raise bad("grpc_listen", "must be HOST:PORT")
     if s.grpc_listen_trainers not in (0, 1):
         raise bad("grpc_listen_trainers", "must be 0 or 1")
+    if bool(s.operator_tls_cert_file) != bool(s.operator_tls_key_file):
+        given, missing = (("operator_tls_cert_file", "operator_tls_key_file") if s.operator_tls_cert_file
+                          else ("operator_tls_key_file", "operator_tls_cert_file"))
+        raise bad(given, f"needs {missing} too (a certificate and its key, PEM)")
     if s.grpc_listen_trainers and not s.grpc_listen:
         raise bad("grpc_listen_trainers", "needs grpc_listen (HOST:PORT) to serve the Trainer service on")

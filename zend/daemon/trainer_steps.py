@@ -263,12 +263,14 @@ class TrainerSteps:
             if ticket.out is room.buf and ticket.result_ref.offset == room.offset:
                 room.buf.publish()
                 self.metrics.record_delivery(outcome.scheme, 0.0)
-                self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
+                self.metrics.record_trainer_step(ticket.state.spec.job, outcome.scheme,
+                                                 time.perf_counter() - ticket.submitted)
                 return outcome
         self._deliver(ticket.state.spec, outcome, ticket.out, ticket.result_ref)
         if isinstance(room, ResultRoom):
             self._check_held(room, ticket)  # not overwritten while it was copied either
-        self.metrics.record_trainer_step(outcome.scheme, time.perf_counter() - ticket.submitted)
+        self.metrics.record_trainer_step(ticket.state.spec.job, outcome.scheme,
+                                         time.perf_counter() - ticket.submitted)
         return outcome
 
     def _check_held(self, room: ResultRoom, ticket: Admitted) -> None:
