@@ -1,5 +1,6 @@
-"""deploy/k8s/prometheusrule.yaml from deploy/prometheus/alerts.yml: the same alert rules as a
-prometheus-operator PrometheusRule, so Kubernetes users load exactly what compose users do.
+"""deploy/k8s/components/monitoring/prometheusrule.yaml from deploy/prometheus/alerts.yml: the same
+alert rules as a prometheus-operator PrometheusRule, so Kubernetes users load exactly what compose
+users do.
 
     python deploy/k8s/build_prometheusrule.py          # rewrite the manifest
     python deploy/k8s/build_prometheusrule.py --check  # exit 1 when it is stale
@@ -15,20 +16,21 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ALERTS = HERE.parent / "prometheus" / "alerts.yml"
-OUTPUT = HERE / "prometheusrule.yaml"
+OUTPUT = HERE / "components" / "monitoring" / "prometheusrule.yaml"
 HEADER = """\
 # The zend alert rules for prometheus-operator: generated from deploy/prometheus/alerts.yml by
 # deploy/k8s/build_prometheusrule.py (do not edit; tests/deploy/test_k8s_manifests.py checks it).
 # Your Prometheus must select it (kube-prometheus-stack's selects by the label release: <its
 # release name> unless ruleSelectorNilUsesHelmValues is false). ZenDaemonDown selects
-# up{job="zend"}: podmonitor.yaml's jobLabel gives the daemons' targets that job.
+# up{job="zend"}: podmonitor.yaml's jobLabel gives the daemons' targets that job. No namespace: the
+# overlay that includes components/monitoring sets it.
 """
 
 
 def render() -> str:
     groups = yaml.safe_load(ALERTS.read_text())["groups"]
     rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": "zend", "namespace": "zen",
+            "metadata": {"name": "zend",
                          "labels": {"app.kubernetes.io/name": "zend", "app.kubernetes.io/part-of": "zen"}},
             "spec": {"groups": groups}}
     return HEADER + yaml.safe_dump(rule, sort_keys=False, width=100)
