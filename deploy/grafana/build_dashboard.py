@@ -44,6 +44,11 @@ def sel(metric: str, labels: str = NODE, extra: str = "") -> str:
     return f"{metric}{{{labels}{', ' + extra if extra else ''}}}"
 
 
+def eq(label: str, value: str) -> str:
+    """`label="value"`, a matcher for `sel`'s extra."""
+    return f'{label}="{value}"'
+
+
 def query(expr: str, legend: str = "__auto", ref: str = "A", instant: bool = False) -> Dataquery:
     q = Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS)
     return q.instant().format(PromQueryFormat.TABLE) if instant else q.range()
@@ -66,14 +71,26 @@ def series(pid: int, title: str, description: str, unit: str, targets: list[Data
     return p
 
 
-def single(pid: int, title: str, description: str, unit: str, target: Dataquery, steps: list[dm.Threshold],
-           width: int = 4, decimals: float | None = None) -> stat.Panel:
+def single(pid: int, title: str, description: str, unit: str, target: Dataquery | list[Dataquery],
+           steps: list[dm.Threshold], width: int = 3, decimals: float | None = None) -> stat.Panel:
+    """A stat panel: one number, or several side by side with their names (`of` a total: see `of_total`)."""
+    targets = target if isinstance(target, list) else [target]
     p = (stat.Panel().id(pid).title(title).description(description).datasource(DS).unit(unit).span(width).height(4)
-         .with_target(target)
          .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
          .graph_mode(common.BigValueGraphMode.AREA).color_mode(common.BigValueColorMode.VALUE)
          .thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps)))
+    for t in targets:
+        p = p.with_target(t)
+    if len(targets) > 1:  # "2  of 3": each value under its legend
+        p = p.text_mode(common.BigValueTextMode.VALUE_AND_NAME).graph_mode(common.BigValueGraphMode.NONE)
+        p = p.override_by_name("of", [dm.DynamicConfigValue(id_val="color",
+                                                            value={"mode": "fixed", "fixedColor": "text"})])
     return p.decimals(decimals) if decimals is not None else p
+
+
+def of_total(name: str, count: str, total: str) -> list[Dataquery]:
+    """Two queries a stat panel shows side by side: how many (named `name`), and of how many ("of")."""
+    return [query(count, name, "A"), query(total, "of", "B")]
 
 
 def green_then(*steps: tuple[float, str]) -> list[dm.Threshold]:
@@ -100,10 +117,31 @@ def node_series(pid: int, title: str, description: str, unit: str, metric: str, 
     return series(pid, title, description, unit, [query(sel(metric), "{{instance}}")], width=width)
 
 
+# zen_node_state as one number per daemon (the state at 1 times its code), for a state timeline
+STATE_CODES = (("joining", 1, "blue"), ("serving", 2, "green"), ("changing", 3, "orange"),
+               ("draining", 4, "yellow"), ("stopping", 5, "purple"))
+NODE_STATE = "max by (instance) (" + " or ".join(
+    f"{sel('zen_node_state', extra=eq('state', name))} * {code}" for name, code, _ in STATE_CODES) + ")"
+
+
+def timeline(pid: int, title: str, description: str, target: Dataquery, mappings: dict[str, tuple[str, str]],
+             width: int = 12) -> statetimeline.Panel:
+    """A state timeline, one row per series, each value shown as its mapped word and colour."""
+    return (statetimeline.Panel().id(pid).title(title).datasource(DS).span(width).height(8)
+            .description(description).with_target(target)
+            .mappings([dm.ValueMap(options={value: dm.ValueMappingResult(text=text, color=color, index=i)
+                                            for i, (value, (text, color)) in enumerate(mappings.items())})])
+            .show_value(common.VisibilityMode.NEVER).merge_values(True).row_height(0.9).fill_opacity(70)
+            .line_width(0)
+            .legend(cb.VizLegendOptions().show_legend(False).display_mode(common.LegendDisplayMode.LIST)
+                    .placement(common.LegendPlacement.BOTTOM)))
+
+
 def build() -> db.Dashboard:
     d = (db.Dashboard("zen: sparse gradient sync").uid(UID)
-         .description("zend daemons: sync time by phase, bytes on the wire against a dense allreduce, load "
-                      "imbalance, density, scheme choice, errors and peer health.")
+         .description("zend daemons: node state and peer links, sync time by phase and the commit, errors by "
+                      "cause, bytes on the wire against a dense allreduce, per-job and per-tensor figures, and "
+                      "the daemon processes.")
          .tags(["zen", "zend"]).editable().tooltip(dm.DashboardCursorSync.CROSSHAIR)
          .time("now-1h", "now").refresh("30s").timezone("browser")
          .with_variable(db.DatasourceVariable("DS_PROMETHEUS").label("Data source").type("prometheus"))
@@ -116,11 +154,11 @@ def build() -> db.Dashboard:
                         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
                         .sort(dm.VariableSort.ALPHABETICAL_ASC).multi(True).include_all(True).all_value(".*"))
          .with_variable(db.QueryVariable("zen_job").label("Training job").datasource(DS)
-                        .query('label_values(zen_tensor_input_rows{job=~"$job", instance=~"$instance"}, zen_job)')
+                        .query('label_values(zen_job_tensor_steps_total{job=~"$job", instance=~"$instance"}, zen_job)')
                         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
                         .sort(dm.VariableSort.ALPHABETICAL_ASC).multi(True).include_all(True).all_value(".*")))
 
-    # Overview: one number each.
+    # Overview: one number each (two: how many of how many).
     d = d.with_row(db.Row("Overview").id(100))
     d = d.with_panel(single(
         1, "Tensor-steps / s", "Tensor-steps synchronised per second (one per tensor and step: a DDP step of k "
@@ -138,14 +176,50 @@ def build() -> db.Dashboard:
         [dm.Threshold(value=None, color="red"), dm.Threshold(value=0, color="orange"),
          dm.Threshold(value=0.5, color="green")], decimals=1))
     d = d.with_panel(single(
-        4, "Daemons up", "Daemons Prometheus scraped successfully at the last scrape.", "none",
-        query(f"sum({sel('up')})"), [dm.Threshold(value=None, color="red"), dm.Threshold(value=1, color="green")]))
+        4, "Daemons up", "Daemons Prometheus scraped successfully at the last scrape, of the daemons it scrapes "
+        "(its targets: a daemon that is down counts in the second number, not the first).", "none",
+        of_total("up", f"sum({sel('up')})", f"count({sel('up')})"),
+        [dm.Threshold(value=None, color="red"), dm.Threshold(value=1, color="green")]))
     d = d.with_panel(single(
-        5, "Peer links down", "Data-plane links to peers that are down, counted from every daemon's side.", "none",
-        query(f"sum(1 - {sel('zen_peer_up')})"), green_then((1, "red"))))
+        7, "Nodes serving", "Daemons whose node state is serving (not joining, changing generation, drained or "
+        "stopping), of the daemons Prometheus scrapes.", "none",
+        of_total("serving", f"sum({sel('zen_node_state', extra=eq('state', 'serving'))})",
+                 f"count({sel('up')})"),
+        [dm.Threshold(value=None, color="red"), dm.Threshold(value=1, color="green")]))
     d = d.with_panel(single(
-        6, "Errors / s", "Failed requests and steps per second, all codes.", "ops",
-        query(f"sum(rate({sel('zen_errors_total')}[{RATE}]))"), green_then((0.001, "red")), decimals=3))
+        5, "Peers down", "Nodes that at least one daemon has lost its data-plane link to, each counted once "
+        "however many daemons lost it (one lost node shows 1; the links, by node, are under Nodes and links).",
+        "none", query(f"count(count by (peer) ({sel('zen_peer_up')} == 0)) or vector(0)"), green_then((1, "red"))))
+    d = d.with_panel(single(
+        6, "Faults / s", "Failed requests and steps per second that are a daemon's, a peer's or the network's "
+        "fault (cause=\"fault\": UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED, INTERNAL, ...).", "ops",
+        query(f"sum(rate({sel('zen_errors_total', extra=eq('cause', 'fault'))}[{RATE}]))"
+              " or vector(0)"), green_then((0.001, "red")), decimals=3))
+    d = d.with_panel(single(
+        8, "Client errors / s", "Requests per second refused for the caller's mistake (cause=\"client\": "
+        "INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED, ...); they never page.", "ops",
+        query(f"sum(rate({sel('zen_errors_total', extra=eq('cause', 'client'))}[{RATE}]))"
+              " or vector(0)"), green_then((0.001, "orange")), decimals=3))
+
+    d = d.with_row(db.Row("Nodes and links").id(105))
+    d = d.with_panel(timeline(
+        48, "Node state", "Each daemon's state: joining its cluster, serving, changing generation (--elastic), "
+        "drained by an operator (zend status --drain) or stopping.",
+        query(NODE_STATE, "{{instance}}"),
+        {str(code): (name, color) for name, code, color in STATE_CODES}))
+    d = d.with_panel(timeline(
+        41, "Peer links", "Each daemon's data-plane link to each peer node.",
+        query(f"max by (instance, peer) ({sel('zen_peer_up')})", "{{instance}} → node {{peer}}"),
+        {"0": ("down", "red"), "1": ("up", "green")}))
+    d = d.with_panel(series(
+        49, "Links down, by node", "For each node, how many daemons have lost their link to it: one lost node "
+        "is one line at the number of its peers, not a line per daemon.", "short",
+        [query(f"sum by (peer) (1 - {sel('zen_peer_up')})", "node {{peer}}", "A"),
+         query(f"count by (peer) ({sel('zen_peer_up')})", "node {{peer}}: daemons reporting", "B")]))
+    d = d.with_panel(series(
+        9, "Membership generation", "Each daemon's membership generation: a step up is a new generation (nodes "
+        "joined or left, --elastic); daemons of one cluster agree.", "short",
+        [query(f"max by (instance) ({sel('zen_membership_generation')})", "{{instance}}")]))
 
     d = d.with_row(db.Row("Sync time").id(101))
     d = d.with_panel(series(
@@ -164,6 +238,30 @@ def build() -> db.Dashboard:
         12, "Tensor-steps / s by scheme", "Tensor-steps synchronised per second, by the scheme that ran them.",
         "ops", [query(f"sum by (scheme) (rate({sel('zen_tensor_steps_total')}[{RATE}]))", "{{scheme}}")], width=6))
 
+    commit = eq("phase", "commit")
+    d = d.with_row(db.Row("Commit and errors").id(106))
+    d = d.with_panel(series(
+        50, "Commit time, by daemon (p50, p99)", "The commit: two all-to-all rounds of one byte after the scheme, "
+        "so that every node delivers a step or none does; its time is the nodes' round trips (and a slow peer's "
+        "lag).", "s",
+        [query(f"histogram_quantile(0.5, sum by (instance, le) "
+               f"(rate({sel('zen_sync_duration_seconds_bucket', extra=commit)}[{RATE}])))", "p50 {{instance}}", "A"),
+         query(f"histogram_quantile(0.99, sum by (instance, le) "
+               f"(rate({sel('zen_sync_duration_seconds_bucket', extra=commit)}[{RATE}])))", "p99 {{instance}}",
+               "B")], width=8))
+    d = d.with_panel(series(
+        51, "Commit share of the step", "The commit's share of a step's time on each node (all phases).",
+        "percentunit",
+        [query(f"sum by (instance) (rate({sel('zen_sync_duration_seconds_sum', extra=commit)}[{RATE}]))"
+               f" / sum by (instance) (rate({sel('zen_sync_duration_seconds_sum')}[{RATE}]))", "{{instance}}")],
+        width=8))
+    d = d.with_panel(series(
+        40, "Errors by cause and code", "Failed requests and steps per second, by cause (fault: a daemon's, a "
+        "peer's or the network's, which alerts; client: the caller's mistake, which does not) and gRPC status "
+        "code. Aborted steps are ABORTED (a node lost or standing still during a step, a generation change).",
+        "ops", [query(f"sum by (cause, code) (rate({sel('zen_errors_total')}[{RATE}]))", "{{cause}}: {{code}}")],
+        width=8))
+
     d = d.with_row(db.Row("Bytes on the wire").id(102))
     d = d.with_panel(series(
         20, "Bytes on the wire vs dense equivalent",
@@ -179,18 +277,34 @@ def build() -> db.Dashboard:
         [query(f"sum by (instance, peer) (rate({sel('zen_sent_bytes_total')}[{RATE}]))",
                "{{instance}} → node {{peer}}")]))
 
+    d = d.with_row(db.Row("Per job").id(107))
+    job_step = sel("zen_job_step_duration_seconds_bucket", TENSOR)
+    d = d.with_panel(series(
+        60, "Step time by job (p50, p99)", "A trainer's step in its daemon, end to end, by training job.", "s",
+        [query(f"histogram_quantile(0.5, sum by (zen_job, le) (rate({job_step}[{RATE}])))", "p50 {{zen_job}}", "A"),
+         query(f"histogram_quantile(0.99, sum by (zen_job, le) (rate({job_step}[{RATE}])))", "p99 {{zen_job}}",
+               "B")], width=8))
+    d = d.with_panel(series(
+        61, "Bytes sent by job", "Data-plane payload bytes per second sent for each job's steps, all daemons.",
+        "Bps", [query(f"sum by (zen_job) (rate({sel('zen_job_sent_bytes_total', TENSOR)}[{RATE}]))",
+                      "{{zen_job}}")], width=8))
+    d = d.with_panel(series(
+        62, "Tensor-steps / s by job", "Tensor-steps synchronised per second for each job, all daemons.", "ops",
+        [query(f"sum by (zen_job) (rate({sel('zen_job_tensor_steps_total', TENSOR)}[{RATE}]))", "{{zen_job}}")],
+        width=8))
+
     d = d.with_row(db.Row("Per tensor").id(103))
     d = d.with_panel(tensor_series(
         30, "Push imbalance", "Cluster push load imbalance at each tensor's last step (max / mean; 1 = even).",
-        "x", "zen_push_imbalance"))
+        "x", "zen_push_imbalance_ratio"))
     d = d.with_panel(tensor_series(
         31, "Pull imbalance", "Cluster pull imbalance at each tensor's last step (max / mean; 1 = even).",
-        "x", "zen_pull_imbalance"))
+        "x", "zen_pull_imbalance_ratio"))
     d = d.with_panel(tensor_series(
         32, "Densification", "Non-zero rows of the sum / mean non-zero rows contributed per node.", "x",
-        "zen_tensor_densification"))
+        "zen_tensor_densification_ratio"))
     d = d.with_panel(tensor_series(
-        33, "Density", "Non-zero rows of the summed gradient / rows.", "percentunit", "zen_tensor_density"))
+        33, "Density", "Non-zero rows of the summed gradient / rows.", "percentunit", "zen_tensor_density_ratio"))
     d = d.with_panel(series(
         34, "Rows in and out", "Non-zero rows the daemons contributed (summed over daemons) and rows of the sum.",
         "short",
@@ -208,19 +322,7 @@ def build() -> db.Dashboard:
         .sort_by([cb.TableSortByFieldState().display_name("tensor")])
         .cell_height(common.TableCellHeight.SM))
 
-    d = d.with_row(db.Row("Errors and health").id(104))
-    d = d.with_panel(series(
-        40, "Errors by code", "Failed requests and steps per second, by gRPC status code.", "ops",
-        [query(f"sum by (code) (rate({sel('zen_errors_total')}[{RATE}]))", "{{code}}")], width=8))
-    d = d.with_panel(
-        statetimeline.Panel().id(41).title("Peer links").datasource(DS).span(16).height(8)
-        .description("Each daemon's data-plane link to each peer node.")
-        .with_target(query(f"max by (instance, peer) ({sel('zen_peer_up')})", "{{instance}} → node {{peer}}"))
-        .mappings([dm.ValueMap(options={"0": dm.ValueMappingResult(text="down", color="red", index=0),
-                                        "1": dm.ValueMappingResult(text="up", color="green", index=1)})])
-        .show_value(common.VisibilityMode.NEVER).merge_values(True).row_height(0.9).fill_opacity(70).line_width(0)
-        .legend(cb.VizLegendOptions().show_legend(False).display_mode(common.LegendDisplayMode.LIST)
-                .placement(common.LegendPlacement.BOTTOM)))
+    d = d.with_row(db.Row("Daemons").id(104))
     d = d.with_panel(node_series(
         42, "Trainers connected", "Trainer sessions holding a buffer connection.", "short", "zen_connected_trainers"))
     d = d.with_panel(node_series(
@@ -234,22 +336,51 @@ def build() -> db.Dashboard:
         47, "Receive block reuse", "Share of pooled payloads that landed in a block used before "
         "(near 1 once steps repeat; low means the pool is too small for the step's messages).", "percentunit",
         "zen_receive_pool_reuse_ratio", width=12))
+    d = d.with_panel(series(
+        70, "File descriptors, of the limit", "Open descriptors / the process' limit, by daemon: every trainer, "
+        "buffer, peer link and connection takes one; at the limit nothing new is accepted (alert at 80%).",
+        "percentunit", [query(f"{sel('process_open_fds')} / {sel('process_max_fds')}", "{{instance}}")], width=6))
+    d = d.with_panel(series(
+        71, "Memory", "Resident and virtual memory of each daemon process (shared buffers count where touched).",
+        "bytes", [query(sel("process_resident_memory_bytes"), "resident {{instance}}", "A"),
+                  query(sel("process_virtual_memory_bytes"), "virtual {{instance}}", "B")], width=6))
+    d = d.with_panel(series(
+        72, "CPU", "CPU time each daemon process spends per second (cores).", "short",
+        [query(f"rate({sel('process_cpu_seconds_total')}[{RATE}])", "{{instance}}")], width=6))
+    d = d.with_panel(series(
+        73, "Python garbage collection", "Collections per second by generation (a full collection stalls the "
+        "daemon's threads), and objects found uncollectable.", "short",
+        [query(f"sum by (generation) (rate({sel('python_gc_collections_total')}[{RATE}]))",
+               "collections gen {{generation}}", "A"),
+         query(f"sum by (generation) (rate({sel('python_gc_objects_collected_total')}[{RATE}]))",
+               "objects collected gen {{generation}}", "B"),
+         query(f"sum by (generation) ({sel('python_gc_objects_uncollectable_total')})",
+               "uncollectable gen {{generation}}", "C")], width=6))
     d = d.with_panel(
         table.Panel().id(45).title("Daemons").datasource(DS).span(24).height(6)
-        .description("What each daemon runs (its zend version, data-plane engine, node, transport, membership), "
-                     "its membership "
-                     "generation and when that formed (--elastic; 0 with static membership).")
+        .description("What each daemon runs (its zend version, data-plane engine, node, transport, membership, "
+                     "Python), its state, its membership generation and when that formed (--elastic; 0 with "
+                     "static membership), and when the process started.")
         .with_target(query(f"max by (instance, node, transport, ucx_transports, membership) "
                            f"({sel('zen_node_info')}) * on (instance) group_left (version, engine) "
                            f"max by (instance, version, engine) ({sel('zen_build_info')})", ref="A", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_generation')})", ref="B", instant=True))
         .with_target(query(f"max by (instance) ({sel('zen_membership_last_change_timestamp_seconds')}) * 1000",
                            ref="C", instant=True))
+        .with_target(query(f"max by (instance, state) ({sel('zen_node_state')} == 1)", ref="D", instant=True))
+        .with_target(query(f"max by (instance, python) (label_replace({sel('python_info')}, "
+                           f"\"python\", \"$1\", \"version\", \"(.*)\"))", ref="E", instant=True))
+        .with_target(query(f"max by (instance) ({sel('process_start_time_seconds')}) * 1000", ref="F",
+                           instant=True))
         .with_transformation(dm.DataTransformerConfig(id_val="merge", options={}))
         .with_transformation(dm.DataTransformerConfig(
-            id_val="organize", options={"excludeByName": {"Time": True, "Value #A": True},
+            id_val="organize", options={"excludeByName": {"Time": True, "Value #A": True, "Value #D": True,
+                                                          "Value #E": True},
                                         "renameByName": {"Value #B": "generation",
-                                                         "Value #C": "generation formed"}}))
+                                                         "Value #C": "generation formed",
+                                                         "Value #F": "started"}}))
+        .align(common.FieldTextAlignment.AUTO).inspect(False)  # field config as Grafana's table model writes it
+        .override_by_name("started", [dm.DynamicConfigValue(id_val="unit", value="dateTimeFromNow")])
         .sort_by([cb.TableSortByFieldState().display_name("node")])
         .cell_height(common.TableCellHeight.SM))
     return d
