@@ -92,3 +92,25 @@ def test_names_follow_prometheus_conventions() -> None:
     for family in text_string_to_metric_families(text):
         if family.type == "counter" and family.name.startswith("zen_"):
             assert all(s.name.endswith("_total") for s in family.samples), family.name
+
+
+def test_node_info_is_one_series_and_peers_are_named_by_their_node_rank() -> None:
+    """After an elastic scale-in (members 0, 1, 3) the peer at generation rank 2 is node 3 in every series,
+    as zen_node_info{node} and the alerts' lost_node name it; a new generation leaves one zen_node_info."""
+    import torch
+
+    from zend.transport.inproc import InProcessCluster
+
+    metrics = DaemonMetrics(0)
+    metrics.set_node(0, "tcp", [], "elastic", 1, "zen-a")
+    metrics.set_node(0, "tcp", [], "elastic", 2, "zen-a")
+    metrics.set_node(0, "ucx", ["rc"], "elastic", 3, "zen-a")
+    info = scrape(metrics)["zen_node_info"]
+    assert [labels for labels, _ in info] == [{"node": "0", "transport": "ucx", "ucx_transports": "rc",
+                                               "membership": "elastic", "cluster_id": "zen-a"}]
+    cluster = InProcessCluster(3)
+    comms = [metrics.counting(cluster.communicator(r), nodes=(0, 1, 3)) for r in range(3)]
+    comms[0].send(2, "t", torch.zeros(8, dtype=torch.uint8))
+    comms[2].recv(0, "t", 5.0)
+    sent = {labels["peer"]: value for labels, value in scrape(metrics)["zen_sent_bytes_total"]}
+    assert sent == {"3": 8.0}

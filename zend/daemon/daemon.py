@@ -203,9 +203,10 @@ class Daemon:
         """Admit steps again, run over the current data plane (at start, and after a new generation)."""
         s, m = self.settings, self.membership
         comm = self.transport if self.transport is not None else _Alone()
-        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm), s.step_timeout_s, m.generation))
+        self.trainer_steps.open(NodeSteps(self.metrics.counting(comm, m.members), s.step_timeout_s, m.generation))
         node = s.rank if s.rank >= 0 else m.rank  # --rank auto: the one the rendezvous gave
-        self.metrics.set_node(node, self.transport_name, self.ucx_transports(), m.source.split(" ")[0], m.generation)
+        self.metrics.set_node(node, self.transport_name, self.ucx_transports(), m.source.split(" ")[0], m.generation,
+                              m.cluster_id)
         self.metrics.membership_changed.set(self.last_change[1])
 
     def _find_membership(self) -> Membership:
@@ -352,8 +353,13 @@ class Daemon:
             buffer_pool_bytes=self.buffers.pool_bytes,
             receive_pool_bytes=pool.pooled_bytes if pool else 0,
             receive_pool_reuse_ratio=pool.reused / max(1, pool.reused + pool.allocated) if pool else 0.0,
-            peer_up={p.rank: p.connected for p in t.peer_states()} if t is not None else {},
+            peer_up={self._node_of(p.rank): p.connected for p in t.peer_states()} if t is not None else {},
             state=self.node_state.state.name)
+
+    def _node_of(self, rank: int) -> int:
+        """The --rank of the generation's member `rank` (they differ after an elastic scale-in)."""
+        members = self.membership.members
+        return members[rank] if 0 <= rank < len(members) else rank
 
     def status(self) -> NodeStatus:
         """The node as `zend status` shows it."""

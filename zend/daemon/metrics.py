@@ -105,7 +105,8 @@ class _LevelCollector(Collector):
             if now is not None:
                 family.add_metric([], float(getattr(now, attribute)))
             yield family
-        peers = GaugeMetricFamily("zen_peer_up", "1 while the data-plane link to a peer node is up", labels=["peer"])
+        peers = GaugeMetricFamily("zen_peer_up", "1 while the data-plane link to a peer node (its --rank) is up",
+                                  labels=["peer"])
         for peer, up in sorted((now.peer_up if now is not None else {}).items()):
             peers.add_metric([str(peer)], 1.0 if up else 0.0)
         yield peers
@@ -189,8 +190,8 @@ class DaemonMetrics:
                                     per_tensor, registry=r)
         self.scheme = Gauge("zen_scheme_chosen", "1 for the scheme each tensor used at its last step",
                             [*per_tensor, "scheme"], registry=r)
-        self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs",
-                          ["node", "transport", "ucx_transports", "membership"], registry=r)
+        self.info = Gauge("zen_node_info", "Constant 1, labelled with what this daemon runs (node: its --rank)",
+                          ["node", "transport", "ucx_transports", "membership", "cluster_id"], registry=r)
         self.generation = Gauge("zen_membership_generation", "Membership generation", registry=r)
         self.build_info = Gauge("zen_build_info", "Constant 1, labelled with the zend version and the data-plane "
                                 "engine it runs (native or python)", ["version", "engine"], registry=r)
@@ -206,8 +207,9 @@ class DaemonMetrics:
         self._levels.readings = readings
 
     def set_node(self, node: int, transport: str, ucx_transports: list[str], membership: str,
-                 generation: int) -> None:
-        self.info.labels(str(node), transport, ",".join(ucx_transports), membership).set(1)
+                 generation: int, cluster_id: str = "zen") -> None:
+        self.info.clear()  # one series: a new generation may change what it runs
+        self.info.labels(str(node), transport, ",".join(ucx_transports), membership, cluster_id).set(1)
         self.generation.set(generation)
 
     def set_engine(self, engine: str) -> None:
@@ -270,9 +272,10 @@ class DaemonMetrics:
                 return job
         return "other"
 
-    def counting(self, comm: Communicator) -> Communicator:
-        """`comm`, with its payload bytes counted per peer."""
-        return _CountingCommunicator(comm, self)
+    def counting(self, comm: Communicator, nodes: Sequence[int] = ()) -> Communicator:
+        """`comm`, with its payload bytes counted per peer, labelled with the peer's --rank (`nodes[rank]`:
+        the generation's members; ranks as they are when empty), as zen_peer_up and zen_node_info{node}."""
+        return _CountingCommunicator(comm, self, nodes)
 
     def serve(self, host: str, port: int, operator_token: str | None = None,
               tls: exposition.TlsContext | None = None) -> None:
@@ -292,26 +295,27 @@ class DaemonMetrics:
 
 
 class _CountingCommunicator(Communicator):
-    def __init__(self, inner: Communicator, metrics: DaemonMetrics):
+    def __init__(self, inner: Communicator, metrics: DaemonMetrics, nodes: Sequence[int] = ()):
         self.inner, self.metrics = inner, metrics
+        self._peer = [str(n) for n in nodes] if nodes else [str(r) for r in range(inner.world_size)]
         self.rank, self.world_size, self.sends_copy = inner.rank, inner.world_size, inner.sends_copy
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
         self.inner.send(dst, tag, payload)
-        self.metrics.bytes_sent.labels(peer=str(dst)).inc(payload.numel() * payload.element_size())
+        self.metrics.bytes_sent.labels(peer=self._peer[dst]).inc(payload.numel() * payload.element_size())
 
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
         payload = self.inner.recv(src, tag, timeout_s)
-        self.metrics.bytes_received.labels(peer=str(src)).inc(payload.numel() * payload.element_size())
+        self.metrics.bytes_received.labels(peer=self._peer[src]).inc(payload.numel() * payload.element_size())
         return payload
 
     def exchange(self, sends: Sequence[tuple[int, str, torch.Tensor]], recvs: Sequence[tuple[int, str]],
                  timeout_s: float | None = None) -> list[torch.Tensor]:
         got = self.inner.exchange(sends, recvs, timeout_s)
         for dst, _, payload in sends:
-            self.metrics.bytes_sent.labels(peer=str(dst)).inc(payload.numel() * payload.element_size())
+            self.metrics.bytes_sent.labels(peer=self._peer[dst]).inc(payload.numel() * payload.element_size())
         for (src, _), payload in zip(recvs, got, strict=True):
-            self.metrics.bytes_received.labels(peer=str(src)).inc(payload.numel() * payload.element_size())
+            self.metrics.bytes_received.labels(peer=self._peer[src]).inc(payload.numel() * payload.element_size())
         return got
 
     def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
