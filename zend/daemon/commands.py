@@ -160,7 +160,7 @@ def _daemon_tls(args: argparse.Namespace) -> OperatorChannelTls | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from zend.daemon.daemon import Daemon
+    from zend.daemon.daemon import Daemon, Stopping
     from zend.daemon.logs import setup_logging
     from zend.daemon.operator_tls import OperatorTlsError
     from zend.daemon.secret import SecretError
@@ -186,12 +186,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, frame: object) -> None:
         stop_requested.append(signum)
+        daemon.request_stop()  # also ends a join that waits to try the rendezvous again
         log.info("signal received, draining", extra={"event": "signal", "signal": signal.Signals(signum).name})
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         daemon.start()
+    except Stopping:
+        daemon.stop()
+        return 0
     except Exception as exc:  # a port that will not bind, a peer that never comes: stop now, say why
         log.error("start failed", extra={"event": "start_failed", "error": str(exc)})
         print(f"zend serve: {exc}", file=sys.stderr)
@@ -290,7 +294,9 @@ def _listed(shown: int, total: int) -> str:
 
 def format_status(reply: Any) -> str:
     """A StatusReply as a person reads it: the node, then a table each of peers, sessions and tensors."""
-    state = "DRAINING" if reply.draining else "serving"
+    state = "DRAINING" if reply.draining else (reply.state or "serving")
+    if reply.state_reason:
+        state += f" ({reply.state_reason})"
     ucx = f" ({', '.join(reply.ucx_transports)})" if reply.ucx_transports else ""
     engine = f" ({reply.data_plane_engine} engine)" if reply.data_plane_engine else ""
     lines = [f"node {reply.node_rank} of {reply.node_count}, generation {reply.generation}, cluster "

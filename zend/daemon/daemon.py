@@ -27,12 +27,13 @@ from zend.buffers.cuda import no_expandable_segments
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission, socket_steps
+from zend.daemon.backoff import Backoff
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
 from zend.daemon.generations import Generations
 from zend.daemon.grpc_server import NETWORK_LISTENER_OPTIONS, GrpcServers, Registration
 from zend.daemon.jobs import JobRegistry, Session, operator_token
-from zend.daemon.membership import Membership, rendezvous, static_membership
+from zend.daemon.membership import Membership, MembershipError, first_line, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
 from zend.daemon.node_state import (
     NodeStateHolder,
@@ -43,6 +44,7 @@ from zend.daemon.node_state import (
     changing,
     drain,
     joined,
+    still_joining,
     stopping,
     undrain,
 )
@@ -65,6 +67,10 @@ from zend.transport.native_tcp import NativeTcpTransport
 log = logging.getLogger("zend.daemon")
 MAX_CONTROL_MESSAGE = 1 << 20  # control messages are small; anything bigger is refused by gRPC
 SERVICES = ("zen.v1.Trainer", "zen.v1.Operator")
+
+
+class Stopping(Exception):
+    """start() was interrupted by a stop request (a signal) before the daemon served."""
 
 
 class Daemon:
@@ -104,6 +110,7 @@ class Daemon:
         self.job_steps: dict[str, int] = {}  # job -> its step when this generation formed (--elastic)
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
+        self._stop_requested = threading.Event()  # SIGTERM / SIGINT, also while start() is still joining
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -209,18 +216,43 @@ class Daemon:
                               m.cluster_id)
         self.metrics.membership_changed.set(self.last_change[1])
 
+    def _join_elastic(self, host: str, port: int, rank: int, world_size: int) -> Membership:
+        """The first generation (--elastic 1): a store that does not answer, or a round that fails or times
+        out (a member frozen while it formed), is tried again, with backoff and jitter, until it forms or
+        the daemon is told to stop (Stopping); the node says why it is still joining in health and status."""
+        s, backoff = self.settings, Backoff(first_s=1.0, cap_s=10.0)
+        where = f"tcpstore://{host}:{port}"
+        while True:
+            try:
+                if self.elastic is None:
+                    self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
+                                                     agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
+                                                     timeout_s=s.connect_timeout_s, secret=self.secret,
+                                                     min_nodes=s.min_nodes)
+                return self.elastic.join()
+            except MembershipError as exc:
+                wait_s = backoff.next()
+                why = (f"the rendezvous at {where} has not formed a generation (attempt {backoff.attempts}: "
+                       f"{first_line(exc)}); trying again in {wait_s:.1f} s")
+                log.warning("rendezvous failed, retrying", extra={"event": "rendezvous_retry", "error": str(exc),
+                                                                   "attempt": backoff.attempts, "wait_s": wait_s})
+                self.node_state.apply(still_joining(why))
+                if self._stop_requested.wait(wait_s):
+                    raise Stopping("stopped while joining the cluster") from None
+
+    def request_stop(self) -> None:
+        """A signal's request: end a join that waits to try again (start raises Stopping); the caller then
+        drains and stops."""
+        self._stop_requested.set()
+
     def _find_membership(self) -> Membership:
         s = self.settings
         if s.rendezvous:  # "env" was resolved into HOST:PORT, rank and world size (settings.resolve)
             host, _, port_text = s.rendezvous.rpartition(":")
             port, world_size, rank = int(port_text), s.world_size, s.rank
             if s.elastic:
-                self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
-                                                 agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
-                                                 timeout_s=s.connect_timeout_s, secret=self.secret,
-                                                 min_nodes=s.min_nodes)
+                m = self._join_elastic(host, port, rank, world_size)
                 self.last_change = ("joined", time.time())
-                m = self.elastic.join()
                 self.job_steps.update(m.job_steps)  # a restarted node learns where its jobs are
                 return m
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
@@ -319,6 +351,9 @@ class Daemon:
     def drop_links(self) -> None:
         self._drop_transport()
 
+    def still_changing(self, why: str) -> None:
+        self.node_state.apply(changing(why))
+
     def resume(self, membership: Membership, why: str) -> None:
         self.last_change = (why, time.time())
         self.job_steps.update(membership.job_steps)
@@ -376,7 +411,8 @@ class Daemon:
         return NodeStatus(m.rank, m.world_size, m.generation, m.cluster_id, m.source, self.transport_name,
                           tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.node_state.state.drained,
                           daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change,
-                          data_plane_engine=self.engine_name)
+                          data_plane_engine=self.engine_name, state=self.node_state.state.name,
+                          state_reason=self.node_state.state.why_not_serving() or "")
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str, token: str) -> SessionInfo | None:

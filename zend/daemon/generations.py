@@ -19,12 +19,14 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from zend.daemon.backoff import Backoff
 from zend.daemon.elastic import ElasticRendezvous
-from zend.daemon.membership import Membership, MembershipError
+from zend.daemon.membership import Membership, MembershipError, first_line
 
 log = logging.getLogger("zend.daemon")
 POLL_S = 0.5
-RETRY_S = 1.0  # a join that fails at once is tried again this much later, never in a spin
+RETRY_FIRST_S, RETRY_CAP_S = 1.0, 4.0  # a failed join is tried again after 0.5-1 s, then up to 4 s: never in a
+# spin, never long (a refused round waits for a live member: its next try should come soon after)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class Node(Protocol):
 
     def drop_links(self) -> None: ...
 
+    def still_changing(self, why: str) -> None: ...  # why the next generation has not formed yet (health, status)
+
     def resume(self, membership: Membership, why: str) -> None: ...  # steps again, in `membership`
 
 
@@ -150,6 +154,7 @@ class Generations:
                                                    "reason": why})
         self.node.leave(f"membership changing after generation {old.generation}: {why}")
         before = old.members or tuple(range(old.world_size))
+        backoff = Backoff(RETRY_FIRST_S, RETRY_CAP_S)
         while not self._stopped.is_set():
             try:
                 joined = self.elastic.join(self.job_steps())
@@ -161,9 +166,13 @@ class Generations:
                 self.node.connect(joined)
                 break
             except Exception as exc:  # no complete round yet, a member lost while connecting: try again
-                log.warning("membership not formed, retrying", extra={"event": "membership_retry", "error": str(exc)})
+                wait_s = backoff.next()
+                log.warning("membership not formed, retrying", extra={"event": "membership_retry", "error": str(exc),
+                                                                       "attempt": backoff.attempts, "wait_s": wait_s})
                 self.node.drop_links()
-                self._stopped.wait(RETRY_S)
+                self.node.still_changing(f"{why}; the next generation has not formed (attempt {backoff.attempts}: "
+                                         f"{first_line(exc)}); trying again in {wait_s:.1f} s")
+                self._stopped.wait(wait_s)
         if self._stopped.is_set():  # stop() came while joining: it could not close what came after it
             self.node.drop_links()
             return

@@ -91,6 +91,14 @@ def joined(state: NodeState) -> NodeState:
     return _alive(state, replace(state, phase=Phase.SERVING, reason=""))
 
 
+def still_joining(reason: str) -> Event:
+    """Why the node is still joining, as it learns it (a rendezvous round that failed, and when it tries
+    again); nothing changes once it has joined."""
+    def event(state: NodeState) -> NodeState:
+        return replace(state, reason=reason) if state.phase is Phase.JOINING else state
+    return event
+
+
 def changing(reason: str) -> Event:
     def event(state: NodeState) -> NodeState:
         return _alive(state, replace(state, phase=Phase.CHANGING, reason=reason))

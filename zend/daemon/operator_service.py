@@ -87,7 +87,8 @@ def status_reply(s: NodeStatus, full: bool = True) -> Any:
                            buffer_pool_bytes=s.buffer_pool_bytes, last_membership_change=s.last_membership_change,
                            last_membership_change_unix=s.last_membership_change_unix, redacted=not full,
                            session_count=len(s.sessions), tensor_count=len(s.tensors),
-                           data_plane_engine=s.data_plane_engine)
+                           data_plane_engine=s.data_plane_engine, state=s.state,
+                           state_reason=s.state_reason if full else "")  # a reason may name an address
     if not full:
         for p in s.peers:
             reply.peers.add(rank=p.rank, connected=p.connected)

@@ -55,3 +55,5 @@ class NodeStatus:
     last_membership_change: str = ""  # what made the last generation (elastic membership), "" before any
     last_membership_change_unix: float = 0.0
     data_plane_engine: str = "python"  # what moves tcp:// frames (engine_choice.py)
+    state: str = "serving"  # node_state.py: joining, serving, changing, draining, stopping
+    state_reason: str = ""  # why not serving ("" when serving)

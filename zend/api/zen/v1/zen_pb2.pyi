@@ -231,7 +231,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes", "last_membership_change", "last_membership_change_unix", "redacted", "session_count", "tensor_count", "data_plane_engine")
+    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes", "last_membership_change", "last_membership_change_unix", "redacted", "session_count", "tensor_count", "data_plane_engine", "state", "state_reason")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,8 @@ class StatusReply(_message.Message):
     SESSION_COUNT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     node_count: int
     generation: int
@@ -272,7 +274,9 @@ class StatusReply(_message.Message):
     session_count: int
     tensor_count: int
     data_plane_engine: str
-    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: bool = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ..., redacted: bool = ..., session_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., data_plane_engine: _Optional[str] = ...) -> None: ...
+    state: str
+    state_reason: str
+    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: bool = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ..., redacted: bool = ..., session_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., data_plane_engine: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_seconds",)
