@@ -3,12 +3,14 @@
 Builds the base image offline (cached between runs), the zend image from a wheelhouse and a
 Prometheus image from Debian's package, then brings up the compose file's daemons, trainers and
 Prometheus (Grafana has no offline source and stays out). Checks: the daemons turn healthy, run
-non-root on a read-only root filesystem, the trainers train to the end with falling loss, a known
-gradient from a trainer container comes back as its exact sum (through the daemon's memfd buffers
-on the shared /run/zend volume), and Prometheus has both daemons' step and byte series and the
-alert rules. Then `down -v`, the test's images removed, and a dockerd it started stopped with the
-host restored (docker_host). Run by `make test` after the rest of the suite; its figures are
-written to build/deploy_test.json.
+non-root on a read-only root filesystem, the default image has no UCX and its daemons take TCP
+under `--transport auto`, the trainers train to the end with falling loss, a known gradient from a
+trainer container comes back as its exact sum (through the daemon's memfd buffers on the shared
+/run/zend volume), Prometheus has both daemons' step and byte series and the alert rules, and the
+daemons compiled no numba kernel (they load those the image compiled when it was built). Then
+`down -v`, the test's images removed, and a dockerd it started stopped with the host restored
+(docker_host). Run by `make test` after the rest of the suite; its figures are written to
+build/deploy_test.json.
 """
 
 from __future__ import annotations
@@ -87,9 +89,12 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             figures["base_cached"] = docker_host.ensure_base_image(work)
             figures["base_s"] = round(time.monotonic() - t, 1)
             t = time.monotonic()
+            # TORCH_INDEX empty: torch's CPU index cannot be reached from our machines (pip would retry it for
+            # every package); their pip finds torch's CPU build in its own configuration, as asserted below
             wheels = subprocess.run([str(ROOT / "scripts/build_wheelhouse.sh"), WHEELHOUSE], capture_output=True,
-                                    text=True, timeout=900, cwd=ROOT)
+                                    text=True, timeout=900, cwd=ROOT, env={**os.environ, "TORCH_INDEX": ""})
             assert wheels.returncode == 0, wheels.stderr[-3000:]
+            assert list((ROOT / WHEELHOUSE).glob("torch-*+cpu-*.whl")), "the default image's torch is the CPU build"
             figures["wheelhouse_s"] = round(time.monotonic() - t, 1)
             t = time.monotonic()
             docker("build", "-q", "-f", "deploy/Dockerfile", "--build-arg", f"BASE_IMAGE={docker_host.BASE_IMAGE}",
@@ -191,3 +196,42 @@ def test_trainers_train_to_the_end_and_prometheus_sees_both_daemons(
     assert series('up{job="zend"}') >= instances
     rules = {rule["name"] for group in prometheus_query(port, "rules")["groups"] for rule in group["rules"]}
     assert {"ZenDaemonDown", "ZenPeerDown"} <= rules, rules
+
+
+def test_the_default_image_has_no_ucx_and_its_daemons_take_tcp_under_auto(
+        stack: tuple[Compose, int, dict[str, Any]]) -> None:
+    compose, _, _ = stack
+    for service in ("zend-0", "zend-1"):
+        container = compose.container(service)
+        probe = docker("exec", container, "python", "-c",
+                       "import importlib.util; print(importlib.util.find_spec('ucxx'))")
+        assert probe.stdout.strip() == "None", probe.stdout
+        logs = docker("logs", container)
+        assert "transport auto -> tcp: ucxx is not installed" in logs.stdout + logs.stderr, logs.stderr[-2000:]
+
+
+def kernel_run(*env: str) -> tuple[float, str]:
+    """`zend simulate` (every kernel a 2- and 4-node step runs) in a read-only container as compose runs the
+    daemons, through the image's entry point; (seconds, numba's cache log)."""
+    t = time.monotonic()
+    run = docker("run", "--rm", "--read-only", "--tmpfs", "/tmp", "-e", "NUMBA_DEBUG_CACHE=1", *env, ZEND_IMAGE,
+                 "simulate", "--nodes", "2,4", "--steps", "1", "--method", "exact", "--json", timeout=300)
+    return time.monotonic() - t, run.stdout
+
+
+def test_the_daemons_load_the_kernels_the_image_compiled_and_compile_none(
+        stack: tuple[Compose, int, dict[str, Any]]) -> None:
+    """Last: after the trainers' steps. The entry point copied the prebuilt kernels into the tmpfs
+    cache; a compiled kernel would have been added to it."""
+    compose, _, figures = stack
+    for service in ("zend-0", "zend-1"):
+        same = docker("exec", compose.container(service), "diff", "-r", "/opt/zen/numba-cache", "/tmp/numba",
+                      check=False)
+        assert same.returncode == 0, f"{service} compiled kernels:\n{same.stdout[-2000:]}{same.stderr[-500:]}"
+    seconds, log = kernel_run()
+    assert "[cache] data loaded" in log and "[cache] data saved" not in log, log[-2000:]
+    figures["kernels_prebuilt_s"] = round(seconds, 1)
+    # on a CPU they were not compiled for (here: numba told to compile for another), numba compiles them
+    seconds, log = kernel_run("-e", "NUMBA_CPU_NAME=generic")
+    assert "[cache] data saved" in log, log[-2000:]
+    figures["kernels_compiled_s"] = round(seconds, 1)
