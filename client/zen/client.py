@@ -39,7 +39,7 @@ from zend.core.sparse import SparseGrad, SparseGradError, from_torch_sparse
 from zend.core.topk import TopKCompressor
 from zend.protocol import paths
 from zend.protocol.session import SharedBufferError, TensorHandle, TrainerSession
-from zend.protocol.step import StepFailed, StepResult
+from zend.protocol.step import SESSION_UNKNOWN, StepFailed, StepResult
 
 log = logging.getLogger("zen")
 
@@ -74,6 +74,7 @@ class _Tensor:
     kind: str  # "sparse", "pair", "dense", "topk"
     shape: tuple[int, ...]
     next_step: int = 0
+    tried: int = 0  # the step last submitted (a trainer that resumed at the job's step tries it first)
     in_flight: bool = False
     stats: StepStats | None = None
 
@@ -165,8 +166,7 @@ class Client:
                 if reply.ready:
                     self.generation, self.job_step = int(reply.generation), int(reply.job_step)
                     self._session.node_count = int(reply.node_count)  # smaller after a scale-in: world_size
-                    self._check_not_behind()
-                    return self.generation
+                    break
                 why = reply.reason
             except grpc.RpcError as exc:
                 code, why = exc.code(), f"{exc.code().name}: {exc.details()}"
@@ -185,12 +185,16 @@ class Client:
             except OSError as exc:  # the new session's buffers (socket, memfd)
                 why = f"{type(exc).__name__}: {exc}"
             time.sleep(0.2)
+        self._check_not_behind()  # outside the retries: OutOfOrder is the trainer's to handle
+        return self.generation
 
     def _check_not_behind(self) -> None:
         """OutOfOrder if a tensor of ours is at a step the job has finished: every other node delivered
-        it while this node's daemon was killed, after its vote, before our result reached us. Its
-        result is lost with that daemon, and nobody would ever run the step again (a hang)."""
-        behind = {name: e.next_step for name, e in self._tensors.items() if e.next_step < self.job_step}
+        it while this node's daemon was killed, after its vote, before our result reached us (or this
+        trainer restarted from an older checkpoint than the others). Its result is lost, and nobody
+        would ever run the step again (a hang)."""
+        at = {name: max(e.next_step, e.tried) for name, e in self._tensors.items()}
+        behind = {name: step for name, step in at.items() if step < self.job_step}
         if behind:
             raise OutOfOrder(f"the job is at step {self.job_step}, but this trainer's {sorted(behind.items())} "
                              "(tensor, step) finished on the other nodes while this node's daemon restarted, and "
@@ -225,10 +229,15 @@ class Client:
                 raise ZenError(f"tensor {name!r}: the previous allreduce is still in flight")
             entry.in_flight = True
             step = entry.next_step if step is None else step
+            entry.tried = step
         try:
             with record_function(f"zen.allreduce[{name}]"):  # zen's steps show in torch.profiler traces
                 out = self._session.allreduce(entry.handle, grad, step, timeout_s=timeout_s or self.timeout_s)
         except StepFailed as exc:  # by gRPC or on the socket: the same statuses
+            if exc.code == "NOT_FOUND" and SESSION_UNKNOWN in exc.message:  # the daemon restarted since
+                self._session.close()  # wait_ready opens a new session and registers our tensors again
+                raise DaemonUnavailable(f"zend at {self.address} restarted and no longer knows this trainer's "
+                                        f"session: call wait_ready(), then redo step {step} [UNAVAILABLE]") from None
             raise from_step_failed(exc, self.address) from None
         except grpc.RpcError as exc:  # a call around the step (a buffer grown by gRPC)
             raise from_rpc_error(exc, self.address) from None

@@ -134,7 +134,7 @@ class Daemon:
         m = self.membership
         self._spawn(self._housekeeping, "housekeeping")
         if self.elastic is not None:
-            keeper = Generations(self.elastic, self, lambda: self.job_steps, self._stopped)
+            keeper = Generations(self.elastic, self, lambda: self.job_steps, self._stopped, self.job_news)
             self._spawn(keeper.watch, "membership")
         self.node_state.apply(joined)  # SERVING, unless drained while it was joining
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
@@ -146,7 +146,7 @@ class Daemon:
         s, count_error = self.settings, self.metrics.count_error
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
                                  self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.not_whole,
-                                 lambda job: self.job_steps.get(job, 0))
+                                 self.job_step)
         operator = OperatorService(self.status, self.drain, self.undrain, s.drain_timeout_s, count_error,
                                    operator_token(self.secret))
         return trainer, operator
@@ -253,7 +253,7 @@ class Daemon:
             if s.elastic:
                 m = self._join_elastic(host, port, rank, world_size)
                 self.last_change = ("joined", time.time())
-                self.job_steps.update(m.job_steps)  # a restarted node learns where its jobs are
+                self._learn_job_steps(m.job_steps)  # a restarted node learns where its jobs are
                 return m
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
                               secret=self.secret, timeout_s=s.connect_timeout_s)
@@ -341,7 +341,7 @@ class Daemon:
         self.trainer_steps.close_node()
         self._drop_transport()
         self.trainer_steps.end_generation(reason, self.settings.step_timeout_s)
-        self.job_steps.update(self.registry.job_steps())  # what this node knew, for a node that knows nothing
+        self._learn_job_steps(self.registry.job_steps())  # what this node knew, for a node that knows nothing
         self.registry.new_generation(self.new_scheme)
 
     def connect(self, membership: Membership) -> None:
@@ -351,12 +351,50 @@ class Daemon:
     def drop_links(self) -> None:
         self._drop_transport()
 
+    # ------------------------------------------------------------------ where each job is
+    # A job's step only moves forward: a trainer submits step s after the job delivered s - 1 (or after it
+    # was told the job is at s), so the highest step anyone saw is where the job is. Every daemon of a
+    # generation may have lost that (all restarted while trainers lived): then trainers on two nodes
+    # submit different steps and would wait on each other for ever. `job_news` notices a step that waits,
+    # beyond what this generation knows, for the rendezvous' dead time, and the next generation agrees on
+    # the highest (elastic.py: the max over members' job_steps); a trainer behind it is told so at Ready.
+    def _learn_job_steps(self, steps: dict[str, int]) -> None:
+        for job, step in steps.items():
+            if step > self.job_steps.get(job, -1):
+                self.job_steps[job] = step
+
+    def job_step(self, job: str) -> int:
+        """The step `job` is at, as far as this node knows: what its generation agreed on, or what its
+        tensors have reached here since (a trainer that joins a running generation resumes there)."""
+        return max(self.job_steps.get(job, 0), self.registry.job_steps().get(job, 0))
+
+    def job_news(self) -> str | None:
+        """Why a new generation must agree on where a job is (a step submitted here beyond it has waited
+        for the rendezvous' dead time), after learning that step; None when nothing waits so."""
+        grace_s = self.elastic.dead_after_s if self.elastic is not None else self.settings.peer_timeout_s
+        now = time.monotonic()
+        open_steps = [s for s in self.trainer_steps.table.open_steps() if now - s.opened_at >= grace_s]
+        if not open_steps:
+            return None
+        # a tensor's own next step here counts as known: its step s + 1 may run while another tensor of
+        # the job is still at s
+        reached = {(t.spec.job, t.tensor_id): t.stats.last_step + 1 for t in self.registry.tensor_list()
+                   if t.stats.steps}
+        for step in open_steps:
+            job, number = step.key.job, step.key.step
+            known = max(self.job_steps.get(job, 0), reached.get((job, step.key.tensor_id), 0))
+            if number > known:
+                self._learn_job_steps({job: number})
+                return (f"trainers of job {job!r} wait at step {number}, beyond step {known} where generation "
+                        f"{self.membership.generation} has the job: agreeing on where it is")
+        return None
+
     def still_changing(self, why: str) -> None:
         self.node_state.apply(changing(why))
 
     def resume(self, membership: Membership, why: str) -> None:
         self.last_change = (why, time.time())
-        self.job_steps.update(membership.job_steps)
+        self._learn_job_steps(membership.job_steps)
         self._open_steps()
         self.node_state.apply(changed)
 

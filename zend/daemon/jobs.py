@@ -26,6 +26,7 @@ from zend.daemon.errors import (
     UNAUTHENTICATED,
     StepError,
 )
+from zend.protocol.step import SESSION_UNKNOWN
 
 if TYPE_CHECKING:
     from zend.daemon.node_steps import StepOutcome
@@ -161,7 +162,7 @@ class JobRegistry:
         """An open session (its caller then checks the token against the session's job)."""
         s = self.sessions.get(session_id)
         if s is None:
-            raise StepError(NOT_FOUND, f"session {session_id[:12]!r} is not open on this daemon")
+            raise StepError(NOT_FOUND, f"session {session_id[:12]!r} {SESSION_UNKNOWN}")
         return s
 
     def session_list(self) -> list[Session]:

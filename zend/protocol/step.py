@@ -16,6 +16,8 @@ from zend.api.zen.v1 import zen_pb2 as pb
 from zend.buffers import wire
 
 MAX_WAIT_S = 86400.0
+# the words of NOT_FOUND for a session the daemon does not know (it restarted since the session opened)
+SESSION_UNKNOWN = "is not open on this daemon"
 # every status a step may end with, and what the trainer should make of it
 STATUSES = {
     "INVALID_ARGUMENT": "a bad tensor, buffer or index, named in the message; nobody else is affected",
