@@ -26,7 +26,6 @@ from zend.daemon.errors import (
     UNAUTHENTICATED,
     StepError,
 )
-from zend.protocol.step import SESSION_UNKNOWN
 
 if TYPE_CHECKING:
     from zend.daemon.node_steps import StepOutcome
@@ -162,6 +161,8 @@ class JobRegistry:
         """An open session (its caller then checks the token against the session's job)."""
         s = self.sessions.get(session_id)
         if s is None:
+            from zend.protocol.step import SESSION_UNKNOWN  # here: `zend token` imports this module, not protobuf
+
             raise StepError(NOT_FOUND, f"session {session_id[:12]!r} {SESSION_UNKNOWN}")
         return s
 
