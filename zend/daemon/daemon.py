@@ -134,7 +134,7 @@ class Daemon:
         m = self.membership
         self._spawn(self._housekeeping, "housekeeping")
         if self.elastic is not None:
-            keeper = Generations(self.elastic, self, lambda: self.job_steps, self._stopped, self.job_news)
+            keeper = Generations(self.elastic, self, lambda: self.job_steps, self._stopped)
             self._spawn(keeper.watch, "membership")
         self.node_state.apply(joined)  # SERVING, unless drained while it was joining
         log.info("daemon ready", extra={"event": "ready", "node": m.rank, "nodes": m.world_size,
@@ -352,12 +352,8 @@ class Daemon:
         self._drop_transport()
 
     # ------------------------------------------------------------------ where each job is
-    # A job's step only moves forward: a trainer submits step s after the job delivered s - 1 (or after it
-    # was told the job is at s), so the highest step anyone saw is where the job is. Every daemon of a
-    # generation may have lost that (all restarted while trainers lived): then trainers on two nodes
-    # submit different steps and would wait on each other for ever. `job_news` notices a step that waits,
-    # beyond what this generation knows, for the rendezvous' dead time, and the next generation agrees on
-    # the highest (elastic.py: the max over members' job_steps); a trainer behind it is told so at Ready.
+    # A job's step only moves forward; what a node learns of it (its generation's agreement, its tensors'
+    # progress) is kept as the highest seen, never lowered by a node that knows less.
     def _learn_job_steps(self, steps: dict[str, int]) -> None:
         for job, step in steps.items():
             if step > self.job_steps.get(job, -1):
@@ -367,27 +363,6 @@ class Daemon:
         """The step `job` is at, as far as this node knows: what its generation agreed on, or what its
         tensors have reached here since (a trainer that joins a running generation resumes there)."""
         return max(self.job_steps.get(job, 0), self.registry.job_steps().get(job, 0))
-
-    def job_news(self) -> str | None:
-        """Why a new generation must agree on where a job is (a step submitted here beyond it has waited
-        for the rendezvous' dead time), after learning that step; None when nothing waits so."""
-        grace_s = self.elastic.dead_after_s if self.elastic is not None else self.settings.peer_timeout_s
-        now = time.monotonic()
-        open_steps = [s for s in self.trainer_steps.table.open_steps() if now - s.opened_at >= grace_s]
-        if not open_steps:
-            return None
-        # a tensor's own next step here counts as known: its step s + 1 may run while another tensor of
-        # the job is still at s
-        reached = {(t.spec.job, t.tensor_id): t.stats.last_step + 1 for t in self.registry.tensor_list()
-                   if t.stats.steps}
-        for step in open_steps:
-            job, number = step.key.job, step.key.step
-            known = max(self.job_steps.get(job, 0), reached.get((job, step.key.tensor_id), 0))
-            if number > known:
-                self._learn_job_steps({job: number})
-                return (f"trainers of job {job!r} wait at step {number}, beyond step {known} where generation "
-                        f"{self.membership.generation} has the job: agreeing on where it is")
-        return None
 
     def still_changing(self, why: str) -> None:
         self.node_state.apply(changing(why))

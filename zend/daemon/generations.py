@@ -41,7 +41,6 @@ class View:
     min_nodes: int
     world_size: int
     dead_after_s: float
-    news: str | None = None  # trainers here are at a step this generation does not know the job reached
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,6 @@ def decide(view: View) -> Action:
     """What the node does about its generation now."""
     if view.waiting:
         return Regenerate(f"{view.waiting} node(s) waiting to join generation {view.generation}")
-    if view.news:  # nodes would wait on each other at different steps: agree on where the job is
-        return Regenerate(view.news)
     if not view.round_intact:  # the members moved on (someone left the round): form the next one together
         return Regenerate(f"the rendezvous moved past generation {view.generation}'s round")
     # A node that stood still (SIGSTOP) long enough for the rendezvous to drop it from the round goes on in
@@ -110,9 +107,8 @@ class Generations:
     """The executor: watches the rendezvous and the links, and carries out what `decide` says."""
 
     def __init__(self, elastic: ElasticRendezvous, node: Node, job_steps: Callable[[], dict[str, int]],
-                 stopped: threading.Event, news: Callable[[], str | None] = lambda: None):
+                 stopped: threading.Event):
         self.elastic, self.node, self.job_steps, self._stopped = elastic, node, job_steps, stopped
-        self.news = news
         self._down_since: dict[int, float] = {}  # --rank -> when its link went down
         self._reached_at: dict[int, float] = {}  # --rank -> when this node last had a link up to it
 
@@ -135,7 +131,7 @@ class Generations:
         self._follow_links(now)
         return View(m.generation, m.members or tuple(range(m.world_size)), self.elastic.waiting(),
                     self.elastic.round_intact(), {r: now - since for r, since in self._down_since.items()},
-                    self.elastic.min_nodes, self.elastic.world_size, self.elastic.dead_after_s, self.news())
+                    self.elastic.min_nodes, self.elastic.world_size, self.elastic.dead_after_s)
 
     def _follow_links(self, now: float) -> None:
         up = self.node.links_up()
