@@ -27,6 +27,19 @@ READY_TIMEOUT_S = 60.0
 START_ATTEMPTS = 3  # a free port can be taken between our probe and Prometheus' bind
 
 
+def end_process(proc: subprocess.Popen[bytes] | None, log: IO[bytes] | None) -> None:
+    """Terminate, then kill, a server the test started, and close its log (either may be None)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    if log is not None:
+        log.close()
+
+
 class PrometheusQueryError(RuntimeError):
     """Prometheus refused a request; the message carries its error type and text."""
 
@@ -146,16 +159,8 @@ class PrometheusServer:
     def stop(self) -> None:
         """Terminate, then kill, the process; always safe to call."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        log, self._log = self._log, None
+        end_process(proc, log)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

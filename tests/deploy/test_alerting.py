@@ -34,7 +34,7 @@ from typing import IO, Any
 import pytest
 import yaml
 
-from tests.daemon.prometheus import PrometheusServer, prometheus_binary
+from tests.daemon.prometheus import PrometheusServer, end_process, prometheus_binary
 from tests.helpers import poll_for
 from zend.cluster.local import free_port
 
@@ -477,16 +477,8 @@ class Alertmanager:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        log, self._log = self._log, None
+        end_process(proc, log)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
