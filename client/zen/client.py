@@ -112,6 +112,11 @@ class Client:
         """Trainers of the job across the cluster (nodes x local world size)."""
         return self._session.node_count * self.local_world_size
 
+    @property
+    def session(self) -> TrainerSession:
+        """The session with the daemon now (a new one after the daemon restarted): zen.checkpoint's way in."""
+        return self._session
+
     def _wait_for_session(self, wait_s: float) -> TrainerSession:
         """A session with the daemon, waiting up to `wait_s` while it is not serving yet (its socket not
         made, or UNAVAILABLE while it joins the cluster): `zend serve & python train.py` just works.

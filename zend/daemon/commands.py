@@ -54,6 +54,11 @@ HELP = {
     "max_job_buffer_bytes": "shared-buffer bytes one job may hold on this node, all its trainers together "
                             "(RESOURCE_EXHAUSTED beyond; 0: half of --max-pool-bytes, so one job never takes the "
                             "whole pool)",
+    "checkpoint_memory_bytes": "in-memory checkpoint bytes this daemon holds, its trainers' and its peers' replicas "
+                               "(RESOURCE_EXHAUSTED naming it beyond; 0: no checkpoints)",
+    "checkpoint_job_bytes": "of --checkpoint-memory-bytes, what one job's checkpoints may hold (0: all of it)",
+    "checkpoint_replicas": "copies of each node's checkpoint objects kept on other nodes (GEMINI's groups of "
+                           "replicas + 1 nodes hold each other's)",
     "max_sessions_per_job": "trainer sessions one job may open on this node (RESOURCE_EXHAUSTED beyond; at most 1024)",
     "max_submits_in_flight_per_job": "steps one job's trainers may have waiting in the daemon at once, by Submit or "
                                      "on buffers.sock (RESOURCE_EXHAUSTED beyond)",

@@ -28,6 +28,9 @@ from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission, socket_steps
 from zend.daemon.backoff import Backoff
+from zend.daemon.checkpoint_keeper import CheckpointKeeper, DataPlane
+from zend.daemon.checkpoint_replication import CKPT_TENSOR
+from zend.daemon.checkpoints import CheckpointStore
 from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
 from zend.daemon.generations import Generations
@@ -54,7 +57,7 @@ from zend.daemon.operator_tls import OperatorTls
 from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
 from zend.daemon.socket_steps import SocketSteps
-from zend.daemon.status import NodeStatus, PeerStatus, SessionStatus, TensorStatus
+from zend.daemon.status import CheckpointStatus, NodeStatus, PeerStatus, SessionStatus, TensorStatus
 from zend.daemon.steps import STEP_WINDOW
 from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
@@ -100,6 +103,12 @@ class Daemon:
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
+        # in-memory checkpoints (GEMINI): held here and by `checkpoint_replicas` peers
+        self.checkpoints = (CheckpointKeeper(CheckpointStore(s.checkpoint_memory_bytes, s.job_checkpoint_bytes),
+                                             self.buffers.get, self._checkpoint_plane, s.checkpoint_replicas,
+                                             s.step_timeout_s, lambda: self.trainer_steps.in_flight() > 0,
+                                             self.metrics.record_checkpoint)
+                            if s.checkpoint_memory_bytes else None)
         self.engine_name = "python"  # the data-plane engine of tcp:// links (engine_choice.py)
         self.grpc: GrpcServers | None = None  # the unix socket (every service) and --grpc-listen (TCP)
         self.health = health_aio.HealthServicer()  # answered on the gRPC event loop, never behind busy handlers
@@ -146,7 +155,7 @@ class Daemon:
         s, count_error = self.settings, self.metrics.count_error
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
                                  self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.not_whole,
-                                 self.job_step)
+                                 self.job_step, self.checkpoints)
         operator = OperatorService(self.status, self.drain, self.undrain, s.drain_timeout_s, count_error,
                                    operator_token(self.secret))
         return trainer, operator
@@ -280,15 +289,21 @@ class Daemon:
         self.transport = create(f"{backend}://{host}:{port}", m.rank, m.world_size, engine=engine,
                                 cluster_id=m.cluster_id, secret=self.secret, generation=m.generation,
                                 timeout_s=s.peer_timeout_s, security=s.data_plane_security)
-        registry = self.registry
-        self.transport.admission = lambda src, kind, tag, size: admission.judge_frame(kind, tag, size,
-                                                                                      registry.last_step)
+        registry, checkpoints = self.registry, self.checkpoints
+
+        def last_step(key: str, tid: int) -> int | None:  # checkpoint tags are judged like a step's
+            if tid == CKPT_TENSOR:
+                return checkpoints.last_step(key) if checkpoints is not None else None
+            return registry.last_step(key, tid)
+
+        self.transport.admission = lambda src, kind, tag, size: admission.judge_frame(kind, tag, size, last_step)
         transport = self.transport
+        watcher = transport.note_last_step if isinstance(transport, NativeTcpTransport) else None
         if isinstance(transport, NativeTcpTransport):  # the engine judges frames itself, from each tensor's
             transport.judge_in_engine(STEP_WINDOW, admission.MAX_AGREEMENT_BYTES)  # last step as told
-            registry.watch_last_steps(transport.note_last_step)
-        else:
-            registry.watch_last_steps(None)
+        registry.watch_last_steps(watcher)
+        if checkpoints is not None:
+            checkpoints.watch_last_steps(watcher)
         addresses = {j: parse_uri(u)[1:] for j, u in m.peers.items()}
         self.transport.connect(addresses, timeout_s=s.connect_timeout_s)
 
@@ -392,6 +407,12 @@ class Daemon:
         return None
 
     # ------------------------------------------------------------------ what the node reports
+    def _checkpoint_plane(self) -> DataPlane:
+        """The generation a checkpoint replicates in: its communicator (None alone) and members."""
+        m, t = self.membership, self.transport
+        comm = self.metrics.counting(t, m.members) if t is not None and m.world_size > 1 else None
+        return DataPlane(comm, m.generation, list(m.members) or list(range(m.world_size)))
+
     def readings(self) -> NodeReadings:
         """The levels Prometheus scrapes."""
         t = self.transport
@@ -402,7 +423,8 @@ class Daemon:
             receive_pool_bytes=pool.pooled_bytes if pool else 0,
             receive_pool_reuse_ratio=pool.reused / max(1, pool.reused + pool.allocated) if pool else 0.0,
             peer_up={self._node_of(p.rank): p.connected for p in t.peer_states()} if t is not None else {},
-            state=self.node_state.state.name)
+            state=self.node_state.state.name,
+            checkpoint_bytes=self.checkpoints.held_bytes() if self.checkpoints is not None else 0)
 
     def _node_of(self, rank: int) -> int:
         """The --rank of the generation's member `rank` (they differ after an elastic scale-in)."""
@@ -425,7 +447,12 @@ class Daemon:
                           tuple(self.ucx_transports()), self.trainer_steps.in_flight(), self.node_state.state.drained,
                           daemon_version(), self.buffers.pool_bytes, peers, sessions, tensors, *self.last_change,
                           data_plane_engine=self.engine_name, state=self.node_state.state.name,
-                          state_reason=self.node_state.state.why_not_serving() or "")
+                          state_reason=self.node_state.state.why_not_serving() or "",
+                          checkpoints=self._checkpoint_status())
+
+    def _checkpoint_status(self) -> tuple[CheckpointStatus, ...]:
+        held = self.checkpoints.job_status() if self.checkpoints is not None else []
+        return tuple(CheckpointStatus(job, last, tuple(steps), nbytes) for job, last, steps, nbytes in held)
 
     # ------------------------------------------------------------------ sessions
     def _claim_session(self, session_id: str, token: str) -> SessionInfo | None:
@@ -481,6 +508,8 @@ class Daemon:
         self.buffers.close()
         if self.transport is not None:
             self.transport.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if self.elastic is not None:
             self.elastic.close()
         if os.path.exists(self.settings.grpc_socket):

@@ -73,6 +73,7 @@ class NodeReadings:
     receive_pool_reuse_ratio: float = 0.0
     peer_up: dict[int, bool] = field(default_factory=dict)
     state: str = "joining"  # one of STATES
+    checkpoint_bytes: int = 0
 
 
 # name, help, the NodeReadings field it shows
@@ -83,6 +84,8 @@ _LEVELS = (
     ("zen_receive_pool_bytes", "Capacity of the data plane's reused receive blocks", "receive_pool_bytes"),
     ("zen_receive_pool_reuse_ratio", "Share of pooled payloads that landed in a block used before",
      "receive_pool_reuse_ratio"),
+    ("zen_checkpoint_bytes", "In-memory checkpoint bytes this daemon holds (its trainers' and replicas of its peers')",
+     "checkpoint_bytes"),
 )
 
 
@@ -198,6 +201,19 @@ class DaemonMetrics:
         self.set_engine("python")
         self.membership_changed = Gauge("zen_membership_last_change_timestamp_seconds",
                                         "Unix time this node's current generation formed (--elastic)", registry=r)
+        self.checkpoint_last_step = Gauge("zen_checkpoint_last_complete_step",
+                                          "Newest in-memory checkpoint step complete on this node, by job",
+                                          ["zen_job"], registry=r)
+        self.checkpoint_replication_seconds = Histogram(
+            "zen_checkpoint_replication_seconds", "From a checkpoint step whole on this node to complete everywhere "
+            "(offers, replicas, acknowledgement): the replication lag", buckets=(*BUCKETS, 120.0, 300.0), registry=r)
+        self.checkpoint_failures = Counter("zen_checkpoint_failures", "Checkpoint steps that failed on this node",
+                                           registry=r)
+        self.checkpoint_restore_seconds = Histogram("zen_checkpoint_restore_seconds",
+                                                    "One trainer's read of checkpoint objects from this daemon",
+                                                    buckets=BUCKETS, registry=r)
+        self.checkpoint_restored_bytes = Counter("zen_checkpoint_restored_bytes",
+                                                 "Checkpoint bytes copied to trainers", registry=r)
         self._levels = _LevelCollector()
         r.register(self._levels)
 
@@ -228,6 +244,18 @@ class DaemonMetrics:
         """One trainer's submit answered with its result in its buffer."""
         self.step_seconds.labels(scheme=scheme).observe(seconds)
         self.job_step_seconds.labels(self.job_label(job)).observe(seconds)
+
+    def record_checkpoint(self, job: str, step: int, seconds: float | None) -> None:
+        """A checkpoint step complete on this node after `seconds` of replication (None: it failed)."""
+        if seconds is None:
+            self.checkpoint_failures.inc()
+            return
+        self.checkpoint_replication_seconds.observe(seconds)
+        self.checkpoint_last_step.labels(self.job_label(job)).set(step)
+
+    def record_restore(self, nbytes: int, seconds: float) -> None:
+        self.checkpoint_restore_seconds.observe(seconds)
+        self.checkpoint_restored_bytes.inc(nbytes)
 
     def record_step(self, job: str, tensor_name: str, outcome: StepOutcome) -> None:
         """A step of a tensor that succeeded on this node."""

@@ -98,6 +98,9 @@ def status_reply(s: NodeStatus, full: bool = True) -> Any:
     for session in s.sessions[:MAX_STATUS_ROWS]:
         reply.sessions.add(session_id=session.session_id, job_id=session.job, local_rank=session.local_rank,
                            pid=session.pid, buffer_bytes=session.buffer_bytes)
+    for c in s.checkpoints[:MAX_STATUS_ROWS]:
+        reply.checkpoints.add(job_id=c.job, last_complete_step=c.last_complete_step, steps=list(c.steps),
+                              bytes=c.nbytes)
     for t in s.tensors[:MAX_STATUS_ROWS]:
         st = t.stats
         reply.tensors.add(job_id=t.job, name=t.name, tensor_id=t.tensor_id, shape=list(t.shape),

@@ -54,6 +54,10 @@ class Settings:
     max_buffer_connections: int = 1024   # connections to buffers.sock at once (a thread each); beyond: refused
     max_buffer_connections_per_pid: int = 64  # of them from one trainer process (pid 0, unknown: not counted)
     buffer_hello_timeout_s: float = 5.0  # a buffers.sock connection that has not said hello by then is closed
+    # in-memory checkpoints (GEMINI)
+    checkpoint_memory_bytes: int = 16 << 30  # checkpoint bytes this daemon holds, its jobs' and replicas (0: none)
+    checkpoint_job_bytes: int = 0        # of them, one job's (0: all of checkpoint_memory_bytes)
+    checkpoint_replicas: int = 1         # copies of each node's checkpoint objects on other nodes
     # the scheme
     scheme: str = "auto"
     hash_seed: int = 0
@@ -86,6 +90,10 @@ class Settings:
     def job_buffer_bytes(self) -> int:
         """The buffer bytes one job may hold: max_job_buffer_bytes, or half the pool (one job never takes it all)."""
         return self.max_job_buffer_bytes or max(1, self.max_pool_bytes // 2)
+
+    @property
+    def job_checkpoint_bytes(self) -> int:
+        return self.checkpoint_job_bytes or self.checkpoint_memory_bytes
 
     @property
     def data_uri(self) -> str:
@@ -175,6 +183,13 @@ def _check_quotas(s: Settings, bad: Callable[[str, str], SettingsError]) -> None
     if not 0 <= s.max_job_buffer_bytes <= s.max_pool_bytes:
         raise bad("max_job_buffer_bytes", f"must be 0 (half of max_pool_bytes) or in [1, {s.max_pool_bytes}] "
                                           "(max_pool_bytes)")
+    if s.checkpoint_memory_bytes < 0:
+        raise bad("checkpoint_memory_bytes", "must be 0 (no checkpoints) or more")
+    if not 0 <= s.checkpoint_job_bytes <= s.checkpoint_memory_bytes:
+        raise bad("checkpoint_job_bytes", f"must be 0 (all of checkpoint_memory_bytes) or in [1, "
+                                          f"{s.checkpoint_memory_bytes}] (checkpoint_memory_bytes)")
+    if not 0 <= s.checkpoint_replicas <= 16:
+        raise bad("checkpoint_replicas", "must be in [0, 16]")
     if s.max_sessions_per_job > MAX_LOCAL_WORLD_SIZE:
         raise bad("max_sessions_per_job", f"must be at most {MAX_LOCAL_WORLD_SIZE} (trainers of one job on a node)")
     if s.max_buffer_connections_per_pid > s.max_buffer_connections:

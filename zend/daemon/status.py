@@ -25,6 +25,14 @@ class SessionStatus:
 
 
 @dataclass(frozen=True)
+class CheckpointStatus:
+    job: str
+    last_complete_step: int  # -1: none yet
+    steps: tuple[int, ...]  # held here, complete or not
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TensorStatus:
     job: str
     name: str
@@ -57,3 +65,4 @@ class NodeStatus:
     data_plane_engine: str = "python"  # what moves tcp:// frames (engine_choice.py)
     state: str = "serving"  # node_state.py: joining, serving, changing, draining, stopping
     state_reason: str = ""  # why not serving ("" when serving)
+    checkpoints: tuple[CheckpointStatus, ...] = ()  # in-memory checkpoints, by job

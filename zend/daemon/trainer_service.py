@@ -22,6 +22,7 @@ from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
 from zend.core.schemes import Scheme
 from zend.core.sparse import SparseGradError
 from zend.daemon import errors as codes
+from zend.daemon.checkpoint_keeper import CheckpointKeeper, ObjectRef
 from zend.daemon.errors import StepError
 from zend.daemon.grpc_errors import maps_errors
 from zend.daemon.jobs import JobRegistry, Session, bearer_of
@@ -57,17 +58,19 @@ class TrainerService(pb_grpc.TrainerServicer):
         count_error: counts each error status answered.
         not_whole: why the node's membership is not whole now (None when it is); quick, it is polled.
         job_step: the step a job was at when the current generation formed (0 if unknown).
+        checkpoints: the node's in-memory checkpoints (None: a daemon without them).
     """
 
     def __init__(self, registry: JobRegistry, trainer_steps: TrainerSteps, membership: Callable[[], Membership],
                  buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
                  step_timeout_s: float, count_error: Callable[[str], None],
                  not_whole: Callable[[], str | None] = lambda: None,
-                 job_step: Callable[[str], int] = lambda job: 0):
+                 job_step: Callable[[str], int] = lambda job: 0, checkpoints: CheckpointKeeper | None = None):
         self.registry, self.trainer_steps, self.membership = registry, trainer_steps, membership
         self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
         self.not_whole, self.job_step = not_whole, job_step
+        self.checkpoints = checkpoints
 
     def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
         """The open session, if the caller holds its job's token (an unknown session is NOT_FOUND first)."""
@@ -84,8 +87,11 @@ class TrainerService(pb_grpc.TrainerServicer):
         def open_session() -> Session:
             self.registry.check_token(request.job_id, token)
             self.trainer_steps.check_accepting("sessions")
-            return self.registry.open_session(request.job_id, request.local_rank, request.local_world_size,
-                                              request.pid)
+            s = self.registry.open_session(request.job_id, request.local_rank, request.local_world_size,
+                                           request.pid)
+            if self.checkpoints is not None:  # its peers' checkpoint traffic is taken from now on
+                self.checkpoints.note_job(s.job)
+            return s
 
         opening = asyncio.get_running_loop().run_in_executor(None, open_session)
         try:
@@ -158,3 +164,34 @@ class TrainerService(pb_grpc.TrainerServicer):
         m = self.membership()
         return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "",
                              job_step=self.job_step(s.job))
+
+    # ------------------------------------------------------------------ in-memory checkpoints
+    def _keeper(self) -> CheckpointKeeper:
+        if self.checkpoints is None:
+            raise StepError(codes.FAILED_PRECONDITION, "this daemon keeps no checkpoints (--checkpoint-memory-bytes 0)")
+        return self.checkpoints
+
+    @maps_errors
+    def PutCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
+        s = self._session(context, request.session_id)
+        held = self._keeper().put(s, request.step, request.buffer_id, _objects(request.objects), request.rank,
+                                  request.world_size, request.coordinator, request.done)
+        return pb.PutCheckpointReply(job_bytes=held)
+
+    @maps_errors
+    def ListCheckpoints(self, request: Any, context: grpc.ServicerContext) -> Any:
+        s = self._session(context, request.session_id)
+        return pb.ListCheckpointsReply(checkpoints=[
+            pb.CheckpointInfo(step=c.step, state=c.state, bytes=c.nbytes, metadata_length=c.metadata_length,
+                              reason=c.reason, holders=list(c.holders))
+            for c in self._keeper().summaries(s.job)])
+
+    @maps_errors
+    def ReadCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
+        s = self._session(context, request.session_id)
+        self._keeper().read(s, request.step, request.buffer_id, _objects(request.objects))
+        return pb.ReadCheckpointReply()
+
+
+def _objects(objects: Any) -> list[ObjectRef]:
+    return [ObjectRef(o.key, o.offset, o.length) for o in objects]

@@ -146,6 +146,30 @@ class TrainerSession:
             raise StepFailed(exc.code().name, exc.details() or str(exc)) from None
         return StepResult.from_proto(reply, step)
 
+    # ------------------------------------------------------------------ in-memory checkpoints
+    def put_checkpoint(self, step: int, buffer_id: str, objects: list[tuple[str, int, int]], rank: int,
+                       world_size: int, coordinator: bool, done: bool) -> int:
+        """Hand the daemon `objects` ((key, offset, length) in `buffer_id`) of checkpoint `step`; the bytes
+        the job's checkpoints hold on this node after it. grpc.RpcError as the daemon answers."""
+        reply = self.stub.PutCheckpoint(pb.PutCheckpointRequest(
+            session_id=self.session_id, step=step, buffer_id=buffer_id,
+            objects=[pb.CheckpointObject(key=k, offset=o, length=n) for k, o, n in objects], rank=rank,
+            world_size=world_size, coordinator=coordinator, done=done), timeout=self.timeout_s, metadata=self.metadata)
+        return int(reply.job_bytes)
+
+    def list_checkpoints(self) -> list[Any]:
+        """The job's checkpoints on this node (CheckpointInfo: complete first, newest first)."""
+        reply = self.stub.ListCheckpoints(pb.ListCheckpointsRequest(session_id=self.session_id),
+                                          timeout=self.timeout_s, metadata=self.metadata)
+        return list(reply.checkpoints)
+
+    def read_checkpoint(self, step: int, buffer_id: str, objects: list[tuple[str, int, int]]) -> None:
+        """Copy `objects` ((key, offset, length)) of complete checkpoint `step` into `buffer_id`."""
+        self.stub.ReadCheckpoint(pb.ReadCheckpointRequest(
+            session_id=self.session_id, step=step, buffer_id=buffer_id,
+            objects=[pb.CheckpointObject(key=k, offset=o, length=n) for k, o, n in objects]),
+            timeout=self.timeout_s, metadata=self.metadata)
+
     def _step_link(self) -> BufferClient | None:
         """This thread's step connection (made on first use); None once the daemon refused one."""
         link = getattr(self._step_links, "link", None)

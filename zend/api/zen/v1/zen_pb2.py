@@ -14,17 +14,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10zen/v1/zen.proto\x12\x06zen.v1\".\n\tBufferRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"_\n\x12OpenSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x18\n\x10local_world_size\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\"\xa2\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rbuffer_socket\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x12\n\nnode_count\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x06 \x01(\t\x12\x10\n\x08job_step\x18\x07 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"\x97\x01\n\x15RegisterTensorRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x1c\n\x05\x64type\x18\x04 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x05 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0f\n\x07\x61verage\x18\x06 \x01(\x08\"R\n\x13RegisterTensorReply\x12\x11\n\ttensor_id\x18\x01 \x01(\r\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x03 \x01(\x04\"\x96\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttensor_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.zen.v1.BufferRef\x12\x0b\n\x03nnz\x18\x05 \x01(\x04\x12!\n\x06result\x18\x06 \x01(\x0b\x32\x11.zen.v1.BufferRef\".\n\x0cPhaseSeconds\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\xb9\x01\n\x0bSubmitReply\x12\x0b\n\x03nnz\x18\x01 \x01(\x04\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65nse_bytes\x18\x05 \x01(\x04\x12$\n\x06phases\x18\x06 \x03(\x0b\x32\x14.zen.v1.PhaseSeconds\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12\x12\n\nnode_count\x18\x08 \x01(\r\";\n\x0cReadyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"e\n\nReadyReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nnode_count\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08job_step\x18\x05 \x01(\x04\"\x0f\n\rStatusRequest\"M\n\nPeerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xd7\x02\n\x0cTensorStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\ttensor_id\x18\x03 \x01(\r\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x06 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0e\n\x06scheme\x18\x07 \x01(\t\x12\x11\n\tlast_step\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x19\n\x11last_sync_seconds\x18\n \x01(\x01\x12\x13\n\x0blast_nnz_in\x18\x0b \x01(\x04\x12\x14\n\x0clast_nnz_out\x18\x0c \x01(\x04\x12\x17\n\x0flast_bytes_sent\x18\r \x01(\x04\x12\x1b\n\x13last_push_imbalance\x18\x0e \x01(\x01\x12\x1b\n\x13last_pull_imbalance\x18\x0f \x01(\x01\"j\n\rSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x14\n\x0c\x62uffer_bytes\x18\x05 \x01(\x04\"\xb0\x04\n\x0bStatusReply\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x12\n\nnode_count\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x12\n\nmembership\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x16\n\x0eucx_transports\x18\x07 \x03(\t\x12!\n\x05peers\x18\x08 \x03(\x0b\x32\x12.zen.v1.PeerStatus\x12\'\n\x08sessions\x18\t \x03(\x0b\x32\x15.zen.v1.SessionStatus\x12%\n\x07tensors\x18\n \x03(\x0b\x32\x14.zen.v1.TensorStatus\x12\x17\n\x0fsteps_in_flight\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x16\n\x0e\x64\x61\x65mon_version\x18\r \x01(\t\x12\x19\n\x11\x62uffer_pool_bytes\x18\x0e \x01(\x04\x12\x1e\n\x16last_membership_change\x18\x0f \x01(\t\x12#\n\x1blast_membership_change_unix\x18\x10 \x01(\x01\x12\x10\n\x08redacted\x18\x11 \x01(\x08\x12\x15\n\rsession_count\x18\x12 \x01(\r\x12\x14\n\x0ctensor_count\x18\x13 \x01(\r\x12\x19\n\x11\x64\x61ta_plane_engine\x18\x14 \x01(\t\x12\r\n\x05state\x18\x15 \x01(\t\x12\x14\n\x0cstate_reason\x18\x16 \x01(\t\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"2\n\nDrainReply\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x11\n\tabandoned\x18\x02 \x01(\r\"\x10\n\x0eUndrainRequest\"/\n\x0cUndrainReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*<\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSPARSE_ROWS\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x32\xcd\x02\n\x07Trainer\x12\x43\n\x0bOpenSession\x12\x1a.zen.v1.OpenSessionRequest\x1a\x18.zen.v1.OpenSessionReply\x12\x46\n\x0c\x43loseSession\x12\x1b.zen.v1.CloseSessionRequest\x1a\x19.zen.v1.CloseSessionReply\x12L\n\x0eRegisterTensor\x12\x1d.zen.v1.RegisterTensorRequest\x1a\x1b.zen.v1.RegisterTensorReply\x12\x34\n\x06Submit\x12\x15.zen.v1.SubmitRequest\x1a\x13.zen.v1.SubmitReply\x12\x31\n\x05Ready\x12\x14.zen.v1.ReadyRequest\x1a\x12.zen.v1.ReadyReply2\xac\x01\n\x08Operator\x12\x34\n\x06Status\x12\x15.zen.v1.StatusRequest\x1a\x13.zen.v1.StatusReply\x12\x31\n\x05\x44rain\x12\x14.zen.v1.DrainRequest\x1a\x12.zen.v1.DrainReply\x12\x37\n\x07Undrain\x12\x16.zen.v1.UndrainRequest\x1a\x14.zen.v1.UndrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10zen/v1/zen.proto\x12\x06zen.v1\".\n\tBufferRef\x12\x11\n\tbuffer_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"_\n\x12OpenSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nlocal_rank\x18\x02 \x01(\r\x12\x18\n\x10local_world_size\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\"\xa2\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rbuffer_socket\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x12\n\nnode_count\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x06 \x01(\t\x12\x10\n\x08job_step\x18\x07 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply\"\x97\x01\n\x15RegisterTensorRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x1c\n\x05\x64type\x18\x04 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x05 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0f\n\x07\x61verage\x18\x06 \x01(\x08\"R\n\x13RegisterTensorReply\x12\x11\n\ttensor_id\x18\x01 \x01(\r\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x18\n\x10max_result_bytes\x18\x03 \x01(\x04\"\x96\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttensor_id\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12 \n\x05input\x18\x04 \x01(\x0b\x32\x11.zen.v1.BufferRef\x12\x0b\n\x03nnz\x18\x05 \x01(\x04\x12!\n\x06result\x18\x06 \x01(\x0b\x32\x11.zen.v1.BufferRef\".\n\x0cPhaseSeconds\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\xb9\x01\n\x0bSubmitReply\x12\x0b\n\x03nnz\x18\x01 \x01(\x04\x12\x0e\n\x06scheme\x18\x02 \x01(\t\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65nse_bytes\x18\x05 \x01(\x04\x12$\n\x06phases\x18\x06 \x03(\x0b\x32\x14.zen.v1.PhaseSeconds\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12\x12\n\nnode_count\x18\x08 \x01(\r\"?\n\x10\x43heckpointObject\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\xbb\x01\n\x14PutCheckpointRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tbuffer_id\x18\x03 \x01(\t\x12)\n\x07objects\x18\x04 \x03(\x0b\x32\x18.zen.v1.CheckpointObject\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x13\n\x0b\x63oordinator\x18\x07 \x01(\x08\x12\x0c\n\x04\x64one\x18\x08 \x01(\x08\"\'\n\x12PutCheckpointReply\x12\x11\n\tjob_bytes\x18\x01 \x01(\x04\",\n\x16ListCheckpointsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"v\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0fmetadata_length\x18\x04 \x01(\x04\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07holders\x18\x06 \x03(\r\"C\n\x14ListCheckpointsReply\x12+\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x16.zen.v1.CheckpointInfo\"w\n\x15ReadCheckpointRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tbuffer_id\x18\x03 \x01(\t\x12)\n\x07objects\x18\x04 \x03(\x0b\x32\x18.zen.v1.CheckpointObject\"\x15\n\x13ReadCheckpointReply\";\n\x0cReadyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"e\n\nReadyReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nnode_count\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08job_step\x18\x05 \x01(\x04\"\x0f\n\rStatusRequest\"M\n\nPeerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xd7\x02\n\x0cTensorStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\ttensor_id\x18\x03 \x01(\r\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.zen.v1.DType\x12\x1e\n\x06layout\x18\x06 \x01(\x0e\x32\x0e.zen.v1.Layout\x12\x0e\n\x06scheme\x18\x07 \x01(\t\x12\x11\n\tlast_step\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\x04\x12\x19\n\x11last_sync_seconds\x18\n \x01(\x01\x12\x13\n\x0blast_nnz_in\x18\x0b \x01(\x04\x12\x14\n\x0clast_nnz_out\x18\x0c \x01(\x04\x12\x17\n\x0flast_bytes_sent\x18\r \x01(\x04\x12\x1b\n\x13last_push_imbalance\x18\x0e \x01(\x01\x12\x1b\n\x13last_pull_imbalance\x18\x0f \x01(\x01\"j\n\rSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x14\n\x0c\x62uffer_bytes\x18\x05 \x01(\x04\"\xdf\x04\n\x0bStatusReply\x12\x11\n\tnode_rank\x18\x01 \x01(\r\x12\x12\n\nnode_count\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x12\n\nmembership\x18\x05 \x01(\t\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x16\n\x0eucx_transports\x18\x07 \x03(\t\x12!\n\x05peers\x18\x08 \x03(\x0b\x32\x12.zen.v1.PeerStatus\x12\'\n\x08sessions\x18\t \x03(\x0b\x32\x15.zen.v1.SessionStatus\x12%\n\x07tensors\x18\n \x03(\x0b\x32\x14.zen.v1.TensorStatus\x12\x17\n\x0fsteps_in_flight\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x16\n\x0e\x64\x61\x65mon_version\x18\r \x01(\t\x12\x19\n\x11\x62uffer_pool_bytes\x18\x0e \x01(\x04\x12\x1e\n\x16last_membership_change\x18\x0f \x01(\t\x12#\n\x1blast_membership_change_unix\x18\x10 \x01(\x01\x12\x10\n\x08redacted\x18\x11 \x01(\x08\x12\x15\n\rsession_count\x18\x12 \x01(\r\x12\x14\n\x0ctensor_count\x18\x13 \x01(\r\x12\x19\n\x11\x64\x61ta_plane_engine\x18\x14 \x01(\t\x12\r\n\x05state\x18\x15 \x01(\t\x12\x14\n\x0cstate_reason\x18\x16 \x01(\t\x12-\n\x0b\x63heckpoints\x18\x17 \x03(\x0b\x32\x18.zen.v1.CheckpointStatus\"\\\n\x10\x43heckpointStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1a\n\x12last_complete_step\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x03(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"2\n\nDrainReply\x12\x11\n\tcompleted\x18\x01 \x01(\r\x12\x11\n\tabandoned\x18\x02 \x01(\r\"\x10\n\x0eUndrainRequest\"/\n\x0cUndrainReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*<\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSPARSE_ROWS\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x32\xb7\x04\n\x07Trainer\x12\x43\n\x0bOpenSession\x12\x1a.zen.v1.OpenSessionRequest\x1a\x18.zen.v1.OpenSessionReply\x12\x46\n\x0c\x43loseSession\x12\x1b.zen.v1.CloseSessionRequest\x1a\x19.zen.v1.CloseSessionReply\x12L\n\x0eRegisterTensor\x12\x1d.zen.v1.RegisterTensorRequest\x1a\x1b.zen.v1.RegisterTensorReply\x12\x34\n\x06Submit\x12\x15.zen.v1.SubmitRequest\x1a\x13.zen.v1.SubmitReply\x12\x31\n\x05Ready\x12\x14.zen.v1.ReadyRequest\x1a\x12.zen.v1.ReadyReply\x12I\n\rPutCheckpoint\x12\x1c.zen.v1.PutCheckpointRequest\x1a\x1a.zen.v1.PutCheckpointReply\x12O\n\x0fListCheckpoints\x12\x1e.zen.v1.ListCheckpointsRequest\x1a\x1c.zen.v1.ListCheckpointsReply\x12L\n\x0eReadCheckpoint\x12\x1d.zen.v1.ReadCheckpointRequest\x1a\x1b.zen.v1.ReadCheckpointReply2\xac\x01\n\x08Operator\x12\x34\n\x06Status\x12\x15.zen.v1.StatusRequest\x1a\x13.zen.v1.StatusReply\x12\x31\n\x05\x44rain\x12\x14.zen.v1.DrainRequest\x1a\x12.zen.v1.DrainReply\x12\x37\n\x07Undrain\x12\x16.zen.v1.UndrainRequest\x1a\x14.zen.v1.UndrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zen.v1.zen_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_DTYPE']._serialized_start=2466
-  _globals['_DTYPE']._serialized_end=2536
-  _globals['_LAYOUT']._serialized_start=2538
-  _globals['_LAYOUT']._serialized_end=2598
+  _globals['_DTYPE']._serialized_start=3282
+  _globals['_DTYPE']._serialized_end=3352
+  _globals['_LAYOUT']._serialized_start=3354
+  _globals['_LAYOUT']._serialized_end=3414
   _globals['_BUFFERREF']._serialized_start=28
   _globals['_BUFFERREF']._serialized_end=74
   _globals['_OPENSESSIONREQUEST']._serialized_start=76
@@ -45,30 +45,48 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_PHASESECONDS']._serialized_end=839
   _globals['_SUBMITREPLY']._serialized_start=842
   _globals['_SUBMITREPLY']._serialized_end=1027
-  _globals['_READYREQUEST']._serialized_start=1029
-  _globals['_READYREQUEST']._serialized_end=1088
-  _globals['_READYREPLY']._serialized_start=1090
-  _globals['_READYREPLY']._serialized_end=1191
-  _globals['_STATUSREQUEST']._serialized_start=1193
-  _globals['_STATUSREQUEST']._serialized_end=1208
-  _globals['_PEERSTATUS']._serialized_start=1210
-  _globals['_PEERSTATUS']._serialized_end=1287
-  _globals['_TENSORSTATUS']._serialized_start=1290
-  _globals['_TENSORSTATUS']._serialized_end=1633
-  _globals['_SESSIONSTATUS']._serialized_start=1635
-  _globals['_SESSIONSTATUS']._serialized_end=1741
-  _globals['_STATUSREPLY']._serialized_start=1744
-  _globals['_STATUSREPLY']._serialized_end=2304
-  _globals['_DRAINREQUEST']._serialized_start=2306
-  _globals['_DRAINREQUEST']._serialized_end=2345
-  _globals['_DRAINREPLY']._serialized_start=2347
-  _globals['_DRAINREPLY']._serialized_end=2397
-  _globals['_UNDRAINREQUEST']._serialized_start=2399
-  _globals['_UNDRAINREQUEST']._serialized_end=2415
-  _globals['_UNDRAINREPLY']._serialized_start=2417
-  _globals['_UNDRAINREPLY']._serialized_end=2464
-  _globals['_TRAINER']._serialized_start=2601
-  _globals['_TRAINER']._serialized_end=2934
-  _globals['_OPERATOR']._serialized_start=2937
-  _globals['_OPERATOR']._serialized_end=3109
+  _globals['_CHECKPOINTOBJECT']._serialized_start=1029
+  _globals['_CHECKPOINTOBJECT']._serialized_end=1092
+  _globals['_PUTCHECKPOINTREQUEST']._serialized_start=1095
+  _globals['_PUTCHECKPOINTREQUEST']._serialized_end=1282
+  _globals['_PUTCHECKPOINTREPLY']._serialized_start=1284
+  _globals['_PUTCHECKPOINTREPLY']._serialized_end=1323
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1325
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1369
+  _globals['_CHECKPOINTINFO']._serialized_start=1371
+  _globals['_CHECKPOINTINFO']._serialized_end=1489
+  _globals['_LISTCHECKPOINTSREPLY']._serialized_start=1491
+  _globals['_LISTCHECKPOINTSREPLY']._serialized_end=1558
+  _globals['_READCHECKPOINTREQUEST']._serialized_start=1560
+  _globals['_READCHECKPOINTREQUEST']._serialized_end=1679
+  _globals['_READCHECKPOINTREPLY']._serialized_start=1681
+  _globals['_READCHECKPOINTREPLY']._serialized_end=1702
+  _globals['_READYREQUEST']._serialized_start=1704
+  _globals['_READYREQUEST']._serialized_end=1763
+  _globals['_READYREPLY']._serialized_start=1765
+  _globals['_READYREPLY']._serialized_end=1866
+  _globals['_STATUSREQUEST']._serialized_start=1868
+  _globals['_STATUSREQUEST']._serialized_end=1883
+  _globals['_PEERSTATUS']._serialized_start=1885
+  _globals['_PEERSTATUS']._serialized_end=1962
+  _globals['_TENSORSTATUS']._serialized_start=1965
+  _globals['_TENSORSTATUS']._serialized_end=2308
+  _globals['_SESSIONSTATUS']._serialized_start=2310
+  _globals['_SESSIONSTATUS']._serialized_end=2416
+  _globals['_STATUSREPLY']._serialized_start=2419
+  _globals['_STATUSREPLY']._serialized_end=3026
+  _globals['_CHECKPOINTSTATUS']._serialized_start=3028
+  _globals['_CHECKPOINTSTATUS']._serialized_end=3120
+  _globals['_DRAINREQUEST']._serialized_start=3122
+  _globals['_DRAINREQUEST']._serialized_end=3161
+  _globals['_DRAINREPLY']._serialized_start=3163
+  _globals['_DRAINREPLY']._serialized_end=3213
+  _globals['_UNDRAINREQUEST']._serialized_start=3215
+  _globals['_UNDRAINREQUEST']._serialized_end=3231
+  _globals['_UNDRAINREPLY']._serialized_start=3233
+  _globals['_UNDRAINREPLY']._serialized_end=3280
+  _globals['_TRAINER']._serialized_start=3417
+  _globals['_TRAINER']._serialized_end=3984
+  _globals['_OPERATOR']._serialized_start=3987
+  _globals['_OPERATOR']._serialized_end=4159
 # @@protoc_insertion_point(module_scope)

@@ -144,6 +144,86 @@ class SubmitReply(_message.Message):
     node_count: int
     def __init__(self, nnz: _Optional[int] = ..., scheme: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ..., generation: _Optional[int] = ..., node_count: _Optional[int] = ...) -> None: ...
 
+class CheckpointObject(_message.Message):
+    __slots__ = ("key", "offset", "length")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    length: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class PutCheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "step", "buffer_id", "objects", "rank", "world_size", "coordinator", "done")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    buffer_id: str
+    objects: _containers.RepeatedCompositeFieldContainer[CheckpointObject]
+    rank: int
+    world_size: int
+    coordinator: bool
+    done: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., buffer_id: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[CheckpointObject, _Mapping]]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., coordinator: bool = ..., done: bool = ...) -> None: ...
+
+class PutCheckpointReply(_message.Message):
+    __slots__ = ("job_bytes",)
+    JOB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_bytes: int
+    def __init__(self, job_bytes: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("step", "state", "bytes", "metadata_length", "reason", "holders")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    state: str
+    bytes: int
+    metadata_length: int
+    reason: str
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., metadata_length: _Optional[int] = ..., reason: _Optional[str] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListCheckpointsReply(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class ReadCheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "step", "buffer_id", "objects")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    buffer_id: str
+    objects: _containers.RepeatedCompositeFieldContainer[CheckpointObject]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., buffer_id: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[CheckpointObject, _Mapping]]] = ...) -> None: ...
+
+class ReadCheckpointReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ReadyRequest(_message.Message):
     __slots__ = ("session_id", "timeout_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -231,7 +311,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes", "last_membership_change", "last_membership_change_unix", "redacted", "session_count", "tensor_count", "data_plane_engine", "state", "state_reason")
+    __slots__ = ("node_rank", "node_count", "generation", "cluster_id", "membership", "transport", "ucx_transports", "peers", "sessions", "tensors", "steps_in_flight", "draining", "daemon_version", "buffer_pool_bytes", "last_membership_change", "last_membership_change_unix", "redacted", "session_count", "tensor_count", "data_plane_engine", "state", "state_reason", "checkpoints")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +334,7 @@ class StatusReply(_message.Message):
     DATA_PLANE_ENGINE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     node_count: int
     generation: int
@@ -276,7 +357,20 @@ class StatusReply(_message.Message):
     data_plane_engine: str
     state: str
     state_reason: str
-    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: bool = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ..., redacted: bool = ..., session_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., data_plane_engine: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointStatus]
+    def __init__(self, node_rank: _Optional[int] = ..., node_count: _Optional[int] = ..., generation: _Optional[int] = ..., cluster_id: _Optional[str] = ..., membership: _Optional[str] = ..., transport: _Optional[str] = ..., ucx_transports: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorStatus, _Mapping]]] = ..., steps_in_flight: _Optional[int] = ..., draining: bool = ..., daemon_version: _Optional[str] = ..., buffer_pool_bytes: _Optional[int] = ..., last_membership_change: _Optional[str] = ..., last_membership_change_unix: _Optional[float] = ..., redacted: bool = ..., session_count: _Optional[int] = ..., tensor_count: _Optional[int] = ..., data_plane_engine: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointStatus, _Mapping]]] = ...) -> None: ...
+
+class CheckpointStatus(_message.Message):
+    __slots__ = ("job_id", "last_complete_step", "steps", "bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    last_complete_step: int
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., last_complete_step: _Optional[int] = ..., steps: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_seconds",)

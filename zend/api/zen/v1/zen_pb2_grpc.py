@@ -39,6 +39,21 @@ class TrainerStub(object):
                 request_serializer=zen_dot_v1_dot_zen__pb2.ReadyRequest.SerializeToString,
                 response_deserializer=zen_dot_v1_dot_zen__pb2.ReadyReply.FromString,
                 )
+        self.PutCheckpoint = channel.unary_unary(
+                '/zen.v1.Trainer/PutCheckpoint',
+                request_serializer=zen_dot_v1_dot_zen__pb2.PutCheckpointRequest.SerializeToString,
+                response_deserializer=zen_dot_v1_dot_zen__pb2.PutCheckpointReply.FromString,
+                )
+        self.ListCheckpoints = channel.unary_unary(
+                '/zen.v1.Trainer/ListCheckpoints',
+                request_serializer=zen_dot_v1_dot_zen__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=zen_dot_v1_dot_zen__pb2.ListCheckpointsReply.FromString,
+                )
+        self.ReadCheckpoint = channel.unary_unary(
+                '/zen.v1.Trainer/ReadCheckpoint',
+                request_serializer=zen_dot_v1_dot_zen__pb2.ReadCheckpointRequest.SerializeToString,
+                response_deserializer=zen_dot_v1_dot_zen__pb2.ReadCheckpointReply.FromString,
+                )
 
 
 class TrainerServicer(object):
@@ -79,6 +94,28 @@ class TrainerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutCheckpoint(self, request, context):
+        """In-memory checkpoints (GEMINI, through torch.distributed.checkpoint): a trainer's objects of a
+        step, their bytes in one of its shared buffers, copied into the daemon's checkpoint memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """The job's checkpoints on this node: complete ones first, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadCheckpoint(self, request, context):
+        """Objects of a complete checkpoint copied into one of the trainer's shared buffers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +143,21 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.Ready,
                     request_deserializer=zen_dot_v1_dot_zen__pb2.ReadyRequest.FromString,
                     response_serializer=zen_dot_v1_dot_zen__pb2.ReadyReply.SerializeToString,
+            ),
+            'PutCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCheckpoint,
+                    request_deserializer=zen_dot_v1_dot_zen__pb2.PutCheckpointRequest.FromString,
+                    response_serializer=zen_dot_v1_dot_zen__pb2.PutCheckpointReply.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=zen_dot_v1_dot_zen__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=zen_dot_v1_dot_zen__pb2.ListCheckpointsReply.SerializeToString,
+            ),
+            'ReadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadCheckpoint,
+                    request_deserializer=zen_dot_v1_dot_zen__pb2.ReadCheckpointRequest.FromString,
+                    response_serializer=zen_dot_v1_dot_zen__pb2.ReadCheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -199,6 +251,57 @@ class Trainer(object):
         return grpc.experimental.unary_unary(request, target, '/zen.v1.Trainer/Ready',
             zen_dot_v1_dot_zen__pb2.ReadyRequest.SerializeToString,
             zen_dot_v1_dot_zen__pb2.ReadyReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def PutCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/zen.v1.Trainer/PutCheckpoint',
+            zen_dot_v1_dot_zen__pb2.PutCheckpointRequest.SerializeToString,
+            zen_dot_v1_dot_zen__pb2.PutCheckpointReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/zen.v1.Trainer/ListCheckpoints',
+            zen_dot_v1_dot_zen__pb2.ListCheckpointsRequest.SerializeToString,
+            zen_dot_v1_dot_zen__pb2.ListCheckpointsReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ReadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/zen.v1.Trainer/ReadCheckpoint',
+            zen_dot_v1_dot_zen__pb2.ReadCheckpointRequest.SerializeToString,
+            zen_dot_v1_dot_zen__pb2.ReadCheckpointReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

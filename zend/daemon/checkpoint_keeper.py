@@ -1,0 +1,244 @@
+"""The daemon's in-memory checkpoints: trainers' puts and reads through shared buffers, and the thread
+that replicates each whole step (checkpoint_replication.py) over the data plane.
+
+Bytes move only between a trainer's shared buffer and the store's memory (one copy each way); the gRPC
+calls that ask for it carry keys, offsets and lengths. Replication runs on one thread, a step at a time
+in the order steps became whole here (the same order on every node), its chunks held back while a
+gradient step is in flight on this node (`busy`), at most PACE_WAIT_S per chunk, so that training
+traffic goes first (GEMINI's interleaving, at the grain of whole steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zend.core.comm import Communicator
+from zend.daemon import errors as codes
+from zend.daemon.checkpoint_replication import CKPT_TENSOR, Offer, replicate
+from zend.daemon.checkpoints import METADATA_KEY, Checkpoint, CheckpointStore
+from zend.daemon.errors import StepError
+from zend.daemon.jobs import Session, job_key
+
+log = logging.getLogger("zend.checkpoints")
+PACE_WAIT_S = 0.05  # the longest a replica chunk waits for the node's gradient steps to finish
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    comm: Communicator | None  # None: a one-node cluster (nothing to replicate to)
+    generation: int
+    nodes: Sequence[int]  # the generation's members: their --rank, by rank in the generation
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    key: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    step: int
+    state: str
+    nbytes: int
+    metadata_length: int
+    reason: str
+    holders: tuple[int, ...]
+
+
+class CheckpointKeeper:
+    """Args:
+        store: the bounded store (checkpoints.py).
+        buffer: a session's shared buffer by (session id, buffer id) (BufferServer.get: checks it is the
+            session's).
+        data_plane: the current generation's communicator and members.
+        replicas: copies of each node's objects on other nodes (GEMINI's m - 1).
+        timeout_s: how long a replication round waits for a peer's message.
+        busy: whether a gradient step is in flight on this node.
+        record: metrics: (job, step, seconds or None when it failed).
+    """
+
+    def __init__(self, store: CheckpointStore, buffer: Callable[[str, str], Any], data_plane: Callable[[], DataPlane],
+                 replicas: int, timeout_s: float, busy: Callable[[], bool] = lambda: False,
+                 record: Callable[[str, int, float | None], None] = lambda job, step, seconds: None):
+        self.store, self.buffer, self.data_plane = store, buffer, data_plane
+        self.replicas, self.timeout_s, self.busy, self.record = replicas, timeout_s, busy, record
+        self._lock = threading.Lock()
+        self._jobs: dict[str, str] = {}  # job_key -> job, every job a trainer opened a session of here
+        self._watcher: Callable[[str, int, int], None] | None = None
+        self._queue: queue.Queue[tuple[str, int, float] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._replicate_loop, name="zen-checkpoints", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ admission of checkpoint tags
+    def note_job(self, job: str) -> None:
+        """A trainer of `job` opened a session here: its checkpoint tags are taken from now on."""
+        key = job_key(job)
+        with self._lock:
+            if key in self._jobs:
+                return
+            self._jobs[key] = job
+            last = self.store.last_complete(job)
+            watcher = self._watcher
+        if watcher is not None:
+            watcher(key, CKPT_TENSOR, last)
+
+    def watch_last_steps(self, watcher: Callable[[str, int, int], None] | None) -> None:
+        """As JobRegistry.watch_last_steps, for the checkpoint tags (a native engine's admission table)."""
+        with self._lock:
+            self._watcher = watcher
+            known = [(key, self.store.last_complete(job)) for key, job in self._jobs.items()]
+        if watcher is not None:
+            for key, last in known:
+                watcher(key, CKPT_TENSOR, last)
+
+    def last_step(self, key: str) -> int | None:
+        """The newest complete checkpoint step of the job with this job_key (-1: none), None if unknown here."""
+        job = self._jobs.get(key)
+        return None if job is None else self.store.last_complete(job)
+
+    # ------------------------------------------------------------------ trainers
+    def put(self, session: Session, step: int, buffer_id: str, objects: Sequence[ObjectRef], rank: int,
+            world_size: int, coordinator: bool, done: bool) -> int:
+        """Copy `objects` out of the session's buffer into checkpoint `step`; the job's bytes held after it."""
+        job = session.job
+        self.note_job(job)
+        buffer = self.buffer(session.session_id, buffer_id) if objects else None
+        if buffer is not None:
+            buffer.acquire()
+        with self._lock:
+            c = self.store.begin(job, step, world_size, rank, session.local_world_size)
+            if objects:
+                assert buffer is not None
+                self.store.room(job, sum(o.length for o in objects))
+                for o in objects:
+                    if o.key == METADATA_KEY and not coordinator:
+                        raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: rank {rank} sent metadata "
+                                                                "but is not the coordinator")
+                    data = buffer.view(torch.uint8, o.offset, o.length).clone()
+                    self.store.put(c, o.key, data, own=o.key != METADATA_KEY)
+            whole = done and self.store.done(c, rank, coordinator, session.local_world_size)
+            if whole:
+                c.state = "replicating"
+            held = self.store.job_bytes(job)
+        if whole:
+            self._queue.put((job, step, time.monotonic()))
+        return held
+
+    def summaries(self, job: str) -> list[CheckpointSummary]:
+        """The job's checkpoints here: complete ones first, newest first."""
+        with self._lock:
+            steps = list(self.store.jobs.get(job, {}).values())
+            out = [CheckpointSummary(c.step, c.state, c.nbytes,
+                                     c.metadata.numel() if c.metadata is not None else 0, c.reason, c.holders)
+                   for c in steps]
+        return sorted(out, key=lambda s: (s.state != "complete", -s.step))
+
+    def read(self, session: Session, step: int, buffer_id: str, objects: Sequence[ObjectRef]) -> int:
+        """Copy objects of complete checkpoint `step` into the session's buffer; the bytes copied."""
+        buffer = self.buffer(session.session_id, buffer_id)
+        with self._lock:
+            c = self.store.readable(session.job, step)
+            sources = []
+            for o in objects:
+                data = self.store.object(c, o.key)
+                if data.numel() != o.length:
+                    raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: object {o.key[:60]!r} has "
+                                                            f"{data.numel()} bytes, the read asks for {o.length}")
+                sources.append((data, o))
+        total = 0
+        for data, o in sources:  # the store keeps these tensors alive; a free only drops its reference
+            buffer.view(torch.uint8, o.offset, o.length).copy_(data)
+            total += o.length
+        buffer.publish()
+        return total
+
+    def held_bytes(self) -> int:
+        return self.store.held
+
+    def job_status(self) -> list[tuple[str, int, list[int], int]]:
+        """(job, last complete step, steps held, bytes) for every job with checkpoints here."""
+        with self._lock:
+            return [(job, self.store.last_complete(job), sorted(steps), self.store.job_bytes(job))
+                    for job, steps in self.store.jobs.items() if steps]
+
+    # ------------------------------------------------------------------ replication
+    def _replicate_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job, step, since = item
+            try:
+                self._replicate(job, step, since)
+            except Exception:
+                log.exception("checkpoint step %d of job %r: replication failed", step, job)
+                self._fail(job, step, "replication failed unexpectedly (see the daemon's log)")
+
+    def _replicate(self, job: str, step: int, since: float) -> None:
+        with self._lock:
+            c = self.store.jobs.get(job, {}).get(step)
+            if c is None or c.state != "replicating":
+                return
+            mine = self._offer(c)
+            objects = {k: c.objects[k] for k in c.own_keys}
+        plane = self.data_plane()
+        nodes = list(plane.nodes)
+        if plane.comm is None or plane.comm.world_size == 1:
+            self._complete(job, step, since, None, (nodes[0] if nodes else 0,))
+            return
+        prefix = f"{job_key(job)}/{CKPT_TENSOR}/{step}/{plane.generation}/"
+        try:
+            done = replicate(plane.comm, prefix, step, mine, objects, self.replicas, self.timeout_s, self._pace)
+        except Exception as exc:
+            self._fail(job, step, str(exc))
+            return
+        holders = tuple(nodes[r] if r < len(nodes) else r for r in done.holders)
+        self._complete(job, step, since, done, holders)
+
+    @staticmethod
+    def _offer(c: Checkpoint) -> Offer:
+        return Offer(c.world_size, tuple(sorted(c.done_ranks)), {k: c.objects[k].numel() for k in c.own_keys},
+                     c.metadata)
+
+    def _pace(self) -> None:
+        deadline = time.monotonic() + PACE_WAIT_S
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _complete(self, job: str, step: int, since: float, done: Any, holders: tuple[int, ...]) -> None:
+        with self._lock:
+            c = self.store.jobs.get(job, {}).get(step)
+            if c is None:
+                return
+            if done is not None:
+                if METADATA_KEY not in c.objects:
+                    self.store.put(c, METADATA_KEY, done.metadata, own=False)
+                for key, data in done.objects.items():  # replicas: held past the bound rather than lost
+                    if key not in c.objects:
+                        self.store.put(c, key, data, own=False)
+            self.store.complete(job, step, holders)
+            watcher = self._watcher
+        seconds = time.monotonic() - since
+        self.record(job, step, seconds)
+        log.info("checkpoint complete", extra={"event": "checkpoint_complete", "job": job, "step": step,
+                                               "seconds": round(seconds, 3), "holders": list(holders)})
+        if watcher is not None:
+            watcher(job_key(job), CKPT_TENSOR, step)
+
+    def _fail(self, job: str, step: int, reason: str) -> None:
+        with self._lock:
+            self.store.fail(job, step, reason)
+        self.record(job, step, None)
+        log.warning("checkpoint failed", extra={"event": "checkpoint_failed", "job": job, "step": step,
+                                                "reason": reason[:500]})
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
