@@ -426,19 +426,30 @@ class Checkpointer:
 
     def complete_steps(self) -> list[int]:
         """Steps complete on this trainer's node, newest first."""
+        return self._held()[0]
+
+    def _held(self) -> tuple[list[int], list[str]]:
+        """(complete steps newest first, why steps were lost) on this trainer's node."""
         infos = _call(self.client, "list", self.client.session.list_checkpoints)
-        return sorted((int(c.step) for c in infos if c.state == "complete"), reverse=True)
+        complete = sorted((int(c.step) for c in infos if c.state == "complete"), reverse=True)
+        return complete, [c.reason for c in infos if c.state == "failed" and " is lost" in c.reason]
 
     def agreed_step(self) -> int | None:
-        """The newest step complete on every trainer's node (the same answer on every trainer)."""
-        mine = self.complete_steps()
+        """The newest step complete on every trainer's node (the same answer on every trainer); None when
+        there is none, CheckpointError when there is none because a step was lost with its nodes."""
+        mine = self._held()
         if dist.is_available() and dist.is_initialized():
             everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
             dist.all_gather_object(everyone, mine, group=self.process_group)
         else:
             everyone = [mine]
-        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-        return max(common) if common else None
+        common = set(everyone[0][0]).intersection(*(set(e[0]) for e in everyone[1:]))
+        if common:
+            return max(common)
+        lost = sorted({why for _, reasons in everyone for why in reasons})
+        if lost:
+            raise CheckpointError("; ".join(lost))
+        return None
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load the agreed newest complete step into `state`; its step, or None if there is none."""

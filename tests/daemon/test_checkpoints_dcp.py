@@ -35,3 +35,40 @@ def test_a_restarted_trainer_loads_the_newest_complete_step_bit_exact(fresh_clus
     loaded = outputs(launch_ranks(c, [SCRIPT, "load", dtype], job="ck", per_node=2, timeout_s=240))
     assert [x["step"] for x in loaded] == [20] * 4
     assert [x["digest"] for x in loaded] == [x["digest"] for x in saved]
+
+
+ELASTIC = [*EXTRA, "--connect-timeout-s", "60"]
+
+
+def restart(c, node: int) -> None:  # type: ignore[no-untyped-def]
+    c.kill(node)
+    c.start_node(node)
+    c.wait_ready(node, 90)
+
+
+def test_a_restarted_daemon_gets_its_checkpoint_back_from_its_peer(fresh_cluster):
+    """Elastic: node 1's daemon is killed (its memory gone) and restarted under the same --rank; the new
+    generation's census gives it node 1's objects from node 0's copy, and every trainer loads step 20."""
+    c = fresh_cluster(2, elastic=True, extra=ELASTIC)
+    saved = outputs(launch_ranks(c, [SCRIPT, "save", "20", "float32"], job="ck", per_node=2, timeout_s=240))
+    poll_for(lambda: [x for x in node_status(c, 1, operator=True).checkpoints if x.last_complete_step == 20], 30,
+             "step 20 complete on node 1")
+    restart(c, 1)
+    status = poll_for(lambda: [x for x in node_status(c, 1, operator=True).checkpoints if x.last_complete_step == 20],
+                      60, "step 20 recovered on node 1")
+    assert status[0].bytes > 0
+    loaded = outputs(launch_ranks(c, [SCRIPT, "load", "float32"], job="ck", per_node=2, timeout_s=240))
+    assert [x["step"] for x in loaded] == [20] * 4
+    assert [x["digest"] for x in loaded] == [x["digest"] for x in saved]
+
+
+def test_a_checkpoint_whose_every_copy_is_gone_is_refused_naming_the_lost_node(fresh_cluster):
+    """No replicas (--checkpoint-replicas 0): node 1's restart loses its objects for good; the load is refused
+    on every trainer, naming node 1, rather than loading a partial state or starting from scratch."""
+    c = fresh_cluster(2, elastic=True, extra=[*ELASTIC, "--checkpoint-replicas", "0"])
+    launch_ranks(c, [SCRIPT, "save", "10", "float32"], job="ck", per_node=2, timeout_s=240)
+    poll_for(lambda: [x for x in node_status(c, 1, operator=True).checkpoints if x.last_complete_step == 10], 30,
+             "step 10 complete on node 1")
+    restart(c, 1)
+    with pytest.raises(AssertionError, match=r"node\(s\) \[1\] were on no surviving node"):
+        launch_ranks(c, [SCRIPT, "load", "float32"], job="ck", per_node=2, timeout_s=240)

@@ -22,7 +22,8 @@ import torch
 
 from zend.core.comm import Communicator
 from zend.daemon import errors as codes
-from zend.daemon.checkpoint_replication import CKPT_TENSOR, Offer, replicate
+from zend.daemon.checkpoint_recovery import CENSUS_KEY, CENSUS_TENSOR, CensusOffer, JobHolding, run_census
+from zend.daemon.checkpoint_replication import CKPT_TENSOR, Offer, Replicated, replicate
 from zend.daemon.checkpoints import METADATA_KEY, Checkpoint, CheckpointStore
 from zend.daemon.errors import StepError
 from zend.daemon.jobs import Session, job_key
@@ -75,7 +76,10 @@ class CheckpointKeeper:
         self._lock = threading.Lock()
         self._jobs: dict[str, str] = {}  # job_key -> job, every job a trainer opened a session of here
         self._watcher: Callable[[str, int, int], None] | None = None
-        self._queue: queue.Queue[tuple[str, int, float] | None] = queue.Queue()
+        # work for the thread, in order: ("replicate", job, step, since) or ("census", generation)
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._settled = threading.Event()  # no census pending: what this node holds is what it will hold
+        self._settled.set()
         self._thread = threading.Thread(target=self._replicate_loop, name="zen-checkpoints", daemon=True)
         self._thread.start()
 
@@ -131,11 +135,12 @@ class CheckpointKeeper:
                 c.state = "replicating"
             held = self.store.job_bytes(job)
         if whole:
-            self._queue.put((job, step, time.monotonic()))
+            self._queue.put(("replicate", job, step, time.monotonic()))
         return held
 
     def summaries(self, job: str) -> list[CheckpointSummary]:
-        """The job's checkpoints here: complete ones first, newest first."""
+        """The job's checkpoints here: complete ones first, newest first (after a census under way)."""
+        self.wait_settled()
         with self._lock:
             steps = list(self.store.jobs.get(job, {}).values())
             out = [CheckpointSummary(c.step, c.state, c.nbytes,
@@ -146,6 +151,7 @@ class CheckpointKeeper:
     def read(self, session: Session, step: int, buffer_id: str, objects: Sequence[ObjectRef]) -> int:
         """Copy objects of complete checkpoint `step` into the session's buffer; the bytes copied."""
         buffer = self.buffer(session.session_id, buffer_id)
+        self.wait_settled()
         with self._lock:
             c = self.store.readable(session.job, step)
             sources = []
@@ -171,15 +177,88 @@ class CheckpointKeeper:
             return [(job, self.store.last_complete(job), sorted(steps), self.store.job_bytes(job))
                     for job, steps in self.store.jobs.items() if steps]
 
+    # ------------------------------------------------------------------ recovery
+    def new_generation(self, generation: int) -> None:
+        """A generation of more than one node formed: hold reads until its census has run."""
+        self._settled.clear()
+        self._queue.put(("census", generation))
+
+    def wait_settled(self) -> None:
+        if not self._settled.wait(self.timeout_s):
+            raise StepError(codes.UNAVAILABLE, f"the checkpoint census of this generation has not finished in "
+                                               f"{self.timeout_s:g} s; try again")
+
+    def _census(self, generation: int) -> None:
+        plane = self.data_plane()
+        if plane.comm is None or plane.generation != generation:  # a newer one is queued behind
+            return
+        me = plane.comm.rank
+        with self._lock:
+            mine = CensusOffer(plane.nodes[me], {job: h for job in self.store.jobs
+                                                 if (h := self._holding(job)) is not None})
+        prefix = f"{CENSUS_KEY}/{CENSUS_TENSOR}/{generation}/0/"
+        try:
+            recovered, decided = run_census(plane.comm, prefix, mine, self._object, self.timeout_s)
+        except Exception as exc:  # a failed census: what is held stays, nothing is restored
+            log.warning("checkpoint census failed", extra={"event": "checkpoint_census_failed",
+                                                           "generation": generation, "reason": str(exc)[:500]})
+            return
+        node = plane.nodes[me]
+        for r in recovered:
+            sender = next(t.sender for t in decided.transfers if t.job == r.job and t.receiver == me)
+            c = Checkpoint(r.step, 0, objects=r.objects, own_keys=set(r.holding.copies.get(node, {})),
+                           state="complete", holders=(node, plane.nodes[sender]), nodes=r.holding.nodes,
+                           writers=r.holding.writers, copies={node: tuple(r.holding.copies.get(node, {}))})
+            with self._lock:
+                try:
+                    self.store.room(r.job, c.nbytes)
+                except StepError as exc:
+                    self.store.lose(r.job, r.step, f"checkpoint step {r.step} was recovered from a peer but does not "
+                                                   f"fit here: {exc.message}")
+                    continue
+                self.store.install(r.job, c)
+            self.note_job(r.job)
+            self._tell(r.job)
+            log.info("checkpoint recovered from a peer", extra={
+                "event": "checkpoint_recovered", "job": r.job, "step": r.step, "bytes": c.nbytes})
+        for job, (step, why) in decided.lost.items():
+            with self._lock:
+                self.store.lose(job, step, why)
+            log.error("checkpoint lost", extra={"event": "checkpoint_lost", "job": job, "step": step, "reason": why})
+
+    def _holding(self, job: str) -> JobHolding | None:
+        """(locked) What this node holds of the job's newest complete step, for the census."""
+        last = self.store.last_complete(job)
+        c = self.store.jobs[job].get(last)
+        if c is None or c.metadata is None or not c.nodes:
+            return None
+        copies = {n: {k: c.objects[k].numel() for k in keys if k in c.objects} for n, keys in c.copies.items()}
+        return JobHolding(last, c.nodes, c.writers, copies, c.metadata.numel())
+
+    def _object(self, job: str, step: int, key: str) -> torch.Tensor:
+        with self._lock:
+            return self.store.jobs[job][step].objects[key]
+
+    def _tell(self, job: str) -> None:
+        watcher = self._watcher
+        if watcher is not None:
+            watcher(job_key(job), CKPT_TENSOR, self.store.last_complete(job))
+
     # ------------------------------------------------------------------ replication
     def _replicate_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            job, step, since = item
             try:
-                self._replicate(job, step, since)
-            except Exception:
-                log.exception("checkpoint step %d of job %r: replication failed", step, job)
-                self._fail(job, step, "replication failed unexpectedly (see the daemon's log)")
+                if item[0] == "census":
+                    self._census(item[1])
+                else:
+                    self._replicate(*item[1:])
+            except Exception:  # the loop serves every later item
+                log.exception("checkpoint work %r failed", item[:3])
+                if item[0] == "replicate":
+                    self._fail(item[1], item[2], "replication failed unexpectedly (see the daemon's log)")
+            finally:
+                if item[0] == "census" and not any(i is not None and i[0] == "census" for i in list(self._queue.queue)):
+                    self._settled.set()
 
     def _replicate(self, job: str, step: int, since: float) -> None:
         with self._lock:
@@ -191,7 +270,7 @@ class CheckpointKeeper:
         plane = self.data_plane()
         nodes = list(plane.nodes)
         if plane.comm is None or plane.comm.world_size == 1:
-            self._complete(job, step, since, None, (nodes[0] if nodes else 0,))
+            self._complete(job, step, since, None, nodes[:1] or [0])
             return
         prefix = f"{job_key(job)}/{CKPT_TENSOR}/{step}/{plane.generation}/"
         try:
@@ -199,8 +278,7 @@ class CheckpointKeeper:
         except Exception as exc:
             self._fail(job, step, str(exc))
             return
-        holders = tuple(nodes[r] if r < len(nodes) else r for r in done.holders)
-        self._complete(job, step, since, done, holders)
+        self._complete(job, step, since, done, nodes)
 
     @staticmethod
     def _offer(c: Checkpoint) -> Offer:
@@ -212,12 +290,21 @@ class CheckpointKeeper:
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.001)
 
-    def _complete(self, job: str, step: int, since: float, done: Any, holders: tuple[int, ...]) -> None:
+    def _complete(self, job: str, step: int, since: float, done: Replicated | None, nodes: list[int]) -> None:
         with self._lock:
             c = self.store.jobs.get(job, {}).get(step)
             if c is None:
                 return
-            if done is not None:
+            if done is None:  # one node: nobody to replicate to
+                holders: tuple[int, ...] = (nodes[0],)
+                c.nodes, c.writers, c.copies = holders, holders if c.own_keys else (), {nodes[0]: tuple(c.own_keys)}
+            else:
+                holders = tuple(nodes[r] for r in done.holders)
+                c.nodes = tuple(nodes)
+                c.writers = tuple(nodes[r] for r, o in sorted(done.offers.items()) if o.objects)
+                me = done.holders[0]
+                c.copies = {nodes[me]: tuple(c.own_keys),
+                            **{nodes[j]: tuple(done.offers[j].objects) for j in done.held_for}}
                 if METADATA_KEY not in c.objects:
                     self.store.put(c, METADATA_KEY, done.metadata, own=False)
                 for key, data in done.objects.items():  # replicas: held past the bound rather than lost

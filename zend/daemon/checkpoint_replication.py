@@ -98,6 +98,8 @@ class Replicated:
     metadata: torch.Tensor  # the checkpoint's metadata (every node keeps it)
     objects: dict[str, torch.Tensor]  # the objects received as a holder of other nodes
     holders: tuple[int, ...]  # the ranks holding a copy of this node's objects, itself first
+    offers: dict[int, Offer]  # every node's offer, by rank
+    held_for: tuple[int, ...]  # the ranks whose objects this node now holds a copy of (itself aside)
 
 
 def check_offers(offers: Mapping[int, Offer], step: int) -> str | None:
@@ -189,7 +191,7 @@ def replicate(comm: Communicator, prefix: str, step: int, mine: Offer, objects: 
         comm.abort(prefix, f"checkpoint step {step} failed on node rank {me}: {exc}")
         raise
     holders = (me, *checkpoint_placement.replica_peers(me, n, replicas))
-    return Replicated(metadata, received, holders)
+    return Replicated(metadata, received, holders, offers, checkpoint_placement.held_by(me, n, replicas))
 
 
 class CheckpointIncomplete(RuntimeError):

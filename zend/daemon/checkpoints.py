@@ -42,6 +42,11 @@ class Checkpoint:
     state: str = "writing"
     reason: str = ""  # why it failed
     holders: tuple[int, ...] = ()  # nodes (by --rank) that hold a whole copy of this node's objects
+    # once complete, for recovery (checkpoint_recovery.py): the nodes (--rank) of the step's generation, those
+    # whose trainers wrote objects, and the keys of each node whose objects this node holds whole (itself too)
+    nodes: tuple[int, ...] = ()
+    writers: tuple[int, ...] = ()
+    copies: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -154,6 +159,27 @@ class CheckpointStore:
         steps = self.jobs[job]
         c = steps[step]
         c.state, c.holders = "complete", holders
+        self._trim(job, step)
+
+    def install(self, job: str, c: Checkpoint) -> None:
+        """A complete checkpoint recovered from peers (checkpoint_recovery.py), replacing what was held of
+        its step; its bytes are counted, older steps trimmed as by `complete`."""
+        steps = self.jobs.setdefault(job, {})
+        old = steps.pop(c.step, None)
+        if old is not None:
+            self.held -= old.nbytes
+        steps[c.step] = c
+        self.held += c.nbytes
+        self._trim(job, c.step)
+
+    def lose(self, job: str, step: int, reason: str) -> None:
+        """Step `step` can no longer be restored anywhere (a node's objects lost with every copy)."""
+        if step not in self.jobs.setdefault(job, {}):  # a node that held nothing: its trainers are told why
+            self.jobs[job][step] = Checkpoint(step, 0)
+        self.fail(job, step, reason)
+
+    def _trim(self, job: str, step: int) -> None:
+        steps = self.jobs[job]
         earlier = [s for s, x in steps.items() if s < step and x.state == "complete"]
         keep = {step, max(earlier, default=-1)}
         for s in [s for s in steps if s < step and s not in keep]:

@@ -29,6 +29,7 @@ from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission, socket_steps
 from zend.daemon.backoff import Backoff
 from zend.daemon.checkpoint_keeper import CheckpointKeeper, DataPlane
+from zend.daemon.checkpoint_recovery import CENSUS_KEY, CENSUS_TENSOR
 from zend.daemon.checkpoint_replication import CKPT_TENSOR
 from zend.daemon.checkpoints import CheckpointStore
 from zend.daemon.elastic import ElasticRendezvous
@@ -220,6 +221,8 @@ class Daemon:
         s, m = self.settings, self.membership
         comm = self.transport if self.transport is not None else _Alone()
         self.trainer_steps.open(NodeSteps(self.metrics.counting(comm, m.members), s.step_timeout_s, m.generation))
+        if self.checkpoints is not None and m.world_size > 1:  # a node that lost its checkpoints gets them back
+            self.checkpoints.new_generation(m.generation)
         node = s.rank if s.rank >= 0 else m.rank  # --rank auto: the one the rendezvous gave
         self.metrics.set_node(node, self.transport_name, self.ucx_transports(), m.source.split(" ")[0], m.generation,
                               m.cluster_id)
@@ -290,10 +293,13 @@ class Daemon:
                                 cluster_id=m.cluster_id, secret=self.secret, generation=m.generation,
                                 timeout_s=s.peer_timeout_s, security=s.data_plane_security)
         registry, checkpoints = self.registry, self.checkpoints
+        census_last = m.generation - 1 if checkpoints is not None else None  # one census per generation
 
         def last_step(key: str, tid: int) -> int | None:  # checkpoint tags are judged like a step's
             if tid == CKPT_TENSOR:
                 return checkpoints.last_step(key) if checkpoints is not None else None
+            if tid == CENSUS_TENSOR:
+                return census_last if key == CENSUS_KEY else None
             return registry.last_step(key, tid)
 
         self.transport.admission = lambda src, kind, tag, size: admission.judge_frame(kind, tag, size, last_step)
@@ -304,6 +310,8 @@ class Daemon:
         registry.watch_last_steps(watcher)
         if checkpoints is not None:
             checkpoints.watch_last_steps(watcher)
+            if watcher is not None and census_last is not None:
+                watcher(CENSUS_KEY, CENSUS_TENSOR, census_last)
         addresses = {j: parse_uri(u)[1:] for j, u in m.peers.items()}
         self.transport.connect(addresses, timeout_s=s.connect_timeout_s)
 
