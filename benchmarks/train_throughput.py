@@ -32,7 +32,8 @@ from pathlib import Path
 from statistics import mean
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = {"zen": ["--backend", "zen"], "zen hook": ["--backend", "zen-hook"],
+RUNS = {"zen": ["--backend", "zen"], "zen ckpt": ["--backend", "zen", "--checkpoint-every", "1"],
+        "zen hook": ["--backend", "zen-hook"],
         "zen+topk": ["--backend", "zen-hook", "--dense", "topk"],
         "gloo sparse": ["--backend", "gloo"], "gloo dense": ["--backend", "gloo-dense"], "local": ["--backend", "gloo"]}
 EXAMPLES = {  # script, model arguments, the runs it offers

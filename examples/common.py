@@ -30,6 +30,10 @@ def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
     p.add_argument("--restart-daemon-at", type=int, default=None, metavar="STEP",
                    help="with --launch --backend zen|zen-hook: kill -9 node 1's daemon as step STEP starts and "
                         "start it again; the loop waits for the cluster and redoes the step (an elastic cluster)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="with --backend zen|zen-hook: an in-memory checkpoint (model and optimiser, through zend; "
+                        "zen.checkpoint) every K steps, and at start the newest one complete on every rank is loaded "
+                        "(a restarted rank resumes there); 0: none")
 
 
 def launch(script: str, args: argparse.Namespace, job: str) -> int:
@@ -109,18 +113,58 @@ def fault_point(args: argparse.Namespace, rank: int, step: int) -> None:
         time.sleep(0.05)
 
 
+def checkpointer(args: argparse.Namespace, client: Any) -> Any:
+    """--checkpoint-every: zen's in-memory checkpoints (None without them)."""
+    if not args.checkpoint_every or client is None:
+        return None
+    import zen.checkpoint
+
+    return zen.checkpoint.Checkpointer(every=args.checkpoint_every, client=client, asynchronous=True)
+
+
+def resume(ckpt: Any, state_of: Callable[[], dict[str, Any]] | None, load: Callable[[dict[str, Any]], None]) -> int:
+    """The step to start at: after the newest checkpoint complete on every rank (loaded into the model and
+    optimiser), else 0."""
+    if ckpt is None or state_of is None:
+        return 0
+    state = state_of()
+    step = ckpt.load_latest(state)
+    if step is None:
+        return 0
+    load(state)
+    return step + 1
+
+
 def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Callable[[int], Any],
                 loss_of: Callable[[Any], torch.Tensor], wire_of: Callable[[Any], dict[str, Any]],
-                dense_bytes: float, what: str, hook: Any = None) -> list[dict[str, Any]]:
+                dense_bytes: float, what: str, hook: Any = None,
+                state_of: Callable[[], dict[str, Any]] | None = None,
+                load: Callable[[dict[str, Any]], None] = lambda state: None) -> list[dict[str, Any]]:
     """args.steps steps of `loss_of(batch_of(step))` (its backward and optimiser step included),
-    timed from the batch on; `wire_of(client)` gives the daemon's bytes (only with zen). Reports on
-    rank 0, then closes the client and the process group. Returns one row per step."""
+    timed from the batch on; `wire_of(client)` gives the daemon's bytes (only with zen). With
+    --checkpoint-every, `state_of()` (DCP's state dict of the model and optimiser) is checkpointed in
+    memory, its time inside the step's, and the loop starts after the newest complete one (`load` puts
+    a loaded state back); after zen.OutOfOrder (the job moved on without this rank) it loads the newest
+    again and goes on from there. Reports on rank 0, then closes the client and the process group.
+    Returns one row per step."""
     rows: list[dict[str, Any]] = []
-    for step in range(args.steps):
+    ckpt = checkpointer(args, client)
+    step = resume(ckpt, state_of, load)
+    while step < args.steps:
         batch = batch_of(step)
         fault_point(args, rank, step)
         t0 = time.perf_counter()
-        loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
+        try:
+            loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
+        except Exception as exc:
+            import zen
+
+            if ckpt is None or not isinstance(exc, zen.OutOfOrder):
+                raise
+            step = resume(ckpt, state_of, load)  # the job moved on: back to its newest checkpoint
+            continue
+        if ckpt is not None and state_of is not None:
+            ckpt.maybe_save(state_of(), step)
         seconds = time.perf_counter() - t0
         row: dict[str, Any] = {"step": step, "loss": loss.item(), "seconds": seconds}
         if client is not None:
@@ -131,12 +175,30 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
         rows.append(row)
         if rank == 0:
             report_step(row, args.steps, what, args.json)
+        step += 1
+    if ckpt is not None:
+        ckpt.wait()
     if rank == 0 and not args.json:
         report_summary(rows, args.backend)
     if client is not None and hook is not dist.group.WORLD:
         client.close()  # the hook's; the zen process group closes its own
     dist.destroy_process_group()
     return rows
+
+
+def model_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Callable[[], dict[str, Any]],
+                                                                       Callable[[dict[str, Any]], None]]:
+    """(state_of, load) for train_steps: DCP's state dicts of `model` and `opt`, and putting them back."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def state_of() -> dict[str, Any]:
+        model_sd, opt_sd = get_state_dict(model, opt)
+        return {"model": model_sd, "optim": opt_sd}
+
+    def load(state: dict[str, Any]) -> None:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    return state_of, load
 
 
 def report_step(row: dict[str, Any], steps: int, what: str, as_json: bool) -> None:

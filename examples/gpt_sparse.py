@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 import torch
-from common import add_run_args, join_job, last_stats, launch, train_steps, wrap  # examples/common.py
+from common import add_run_args, join_job, last_stats, launch, model_state, train_steps, wrap  # examples/common.py
 from torch import nn
 
 from zend.simulator.traces import GPT2_VOCAB, TokenTrace
@@ -97,7 +97,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         return {"wire_bytes": float(stats.bytes_sent) if stats is not None else 0.0}
 
     dense_bytes = 2 * (world - 1) / world * GPT2_VOCAB * args.dim * 4
-    return train_steps(args, rank, client, batch_of, loss_of, wire_of, dense_bytes, "embedding", hook)
+    return train_steps(args, rank, client, batch_of, loss_of, wire_of, dense_bytes, "embedding", hook,
+                       *model_state(model, opt))
 
 
 def main(argv: list[str] | None = None) -> int:

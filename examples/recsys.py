@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import add_run_args, join_job, last_stats, launch, train_steps, wrap  # examples/common.py
+from common import add_run_args, join_job, last_stats, launch, model_state, train_steps, wrap  # examples/common.py
 from torch import nn
 
 DATA = Path(__file__).resolve().parent / "data" / "ml-100k"
@@ -200,7 +200,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         return {"wire_bytes": float(sum(sent.values())),
                 "tables": {name: {"wire_bytes": sent.get(name, 0), "dense_bytes": dense[name]} for name in TABLES}}
 
-    return train_steps(args, rank, client, batch_of, loss_of, wire_of, float(sum(dense.values())), "tables", hook)
+    return train_steps(args, rank, client, batch_of, loss_of, wire_of, float(sum(dense.values())), "tables", hook,
+                       *model_state(model, opt))
 
 
 def main(argv: list[str] | None = None) -> int:

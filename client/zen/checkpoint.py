@@ -30,10 +30,11 @@ only another node holds is refused with the nodes that hold it (remote reads are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +66,8 @@ from torch.futures import Future
 
 from zen.client import Client
 from zen.errors import ZenError, from_rpc_error
+from zend.protocol.checkpoint import METADATA_KEY
 
-METADATA_KEY = ""  # the daemon's key of a checkpoint's metadata
 ALIGN = 64
 
 
@@ -326,8 +327,12 @@ class MemoryReader(StorageReader):
             if not isinstance(info, ZenStorage):
                 raise CheckpointError(f"checkpoint step {self.step}: no zen object for {req.storage_index}")
             by_key.setdefault(info.key, info)
-        keys = sorted(by_key)
-        views = dict(zip(keys, self._read([(k, by_key[k].length) for k in keys]), strict=True))
+        with self._mapping(sorted(by_key)) as views:
+            self._apply(plan, planner, views)
+        return _done(None)
+
+    def _apply(self, plan: LoadPlan, planner: LoadPlanner, views: dict[str, torch.Tensor]) -> None:
+        """Each read item from the objects' bytes (views of the shared buffer) into the state dict."""
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             data = views[info.key]
@@ -343,28 +348,61 @@ class MemoryReader(StorageReader):
                                       f"{tuple(source.size())} here, the state dict wants {tuple(target.size())}")
             target.copy_(source)
             planner.commit_tensor(req, target)
-        return _done(None)
 
     def _read(self, objects: Sequence[tuple[str, int]]) -> list[torch.Tensor]:
-        """The objects' bytes, copied from the daemon through one shared buffer (copies the caller owns)."""
+        """The objects' bytes, copies the caller owns."""
+        with self._reading(objects) as views:
+            return [v.clone() for v in views]
+
+    @contextlib.contextmanager
+    def _mapping(self, keys: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """The objects as read-only views of the daemon's checkpoint segments (mapped while the block lasts:
+        the only copy is the caller's, into the state dict); any object in no segment is read by copy."""
+        assert self.step is not None
         started = time.perf_counter()
+        session = self.client.session
+        places = _call(self.client, "locate", session.locate_checkpoint, self.step, list(keys))
+        mapped: dict[str, Any] = {}
+        views: dict[str, torch.Tensor] = {}
+        try:
+            for p in places:
+                if not p.segment:
+                    continue
+                if p.segment not in mapped:
+                    mapped[p.segment] = session.map_checkpoint_segment(self.step, p.segment)
+                views[p.key] = mapped[p.segment].view(torch.uint8, int(p.offset), int(p.length))
+            rest = [(p.key, int(p.length)) for p in places if not p.segment]
+            with self._reading(rest) as copied:
+                views.update(zip((k for k, _ in rest), copied, strict=True))
+                yield views
+        finally:
+            views.clear()
+            for segment in mapped.values():
+                segment.close()
+            self.read_seconds += time.perf_counter() - started
+            self.read_bytes += sum(int(p.length) for p in places)
+
+    @contextlib.contextmanager
+    def _reading(self, objects: Sequence[tuple[str, int]]) -> Iterator[list[torch.Tensor]]:
+        """The objects' bytes copied by the daemon into one shared buffer, as views of it while the block
+        lasts (the buffer is freed after it)."""
         session = self.client.session
         offsets, total = [], 0
         for _, n in objects:
             offsets.append(total)
             total += -(-n // ALIGN) * ALIGN
+        if not objects:
+            yield []
+            return
         buffer = session.buffers.alloc(max(total, ALIGN))
         try:
             _call(self.client, "read", session.read_checkpoint, self.step, buffer.buffer_id,
                   [(k, o, n) for (k, n), o in zip(objects, offsets, strict=True)])
             buffer.acquire()
-            out = [buffer.view(torch.uint8, o, n).clone() if n else torch.empty(0, dtype=torch.uint8)
+            yield [buffer.view(torch.uint8, o, n) if n else torch.empty(0, dtype=torch.uint8)
                    for (_, n), o in zip(objects, offsets, strict=True)]
         finally:
             session.buffers.free(buffer.buffer_id)
-        self.read_bytes += sum(n for _, n in objects)
-        self.read_seconds += time.perf_counter() - started
-        return out
 
 
 def _narrow(tensor: torch.Tensor, req: ReadItem) -> torch.Tensor:
@@ -382,7 +420,9 @@ def _describe(infos: Sequence[Any]) -> str:
 class Checkpointer:
     """The common loop: `maybe_save(state, step)` every `every` steps (DCP, through the daemon), and
     `load_latest(state)` at start: the newest step complete on *every* trainer of the job (agreed over
-    `process_group`, DCP's), loaded into `state`; None when there is none."""
+    `process_group`, DCP's), loaded into `state`; None when there is none. `asynchronous`: DCP's async_save
+    (the state staged to CPU memory in the call, handed to the daemon from a thread) on a gloo group of its
+    own, so that its collectives never interleave with the training's; one save in flight at a time."""
 
     def __init__(self, every: int = 1, client: Client | None = None, process_group: Any = None,
                  asynchronous: bool = False):
@@ -390,6 +430,8 @@ class Checkpointer:
             raise ValueError(f"every={every}: must be at least 1")
         self.every, self._client, self.process_group = every, client, process_group
         self.asynchronous = asynchronous
+        if asynchronous and process_group is None and dist.is_available() and dist.is_initialized():
+            self.process_group = dist.new_group(backend="gloo")  # collective: every rank makes its Checkpointer
         self._pending: Any = None
         self.last_saved: int | None = None
 
@@ -410,8 +452,7 @@ class Checkpointer:
 
         writer = MemoryWriter(step, self.client)
         if self.asynchronous:
-            if self._pending is not None:
-                self._pending.result()  # one save in flight at a time (DCP stages to CPU first)
+            self.wait()  # one save in flight at a time
             self._pending = dcp.async_save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
                                            process_group=self.process_group)
         else:
@@ -421,8 +462,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Until the asynchronous save in flight (if any) has handed its bytes to the daemon."""
         if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            getattr(pending, "upload_completion", pending).result()  # a Future, or DCP's AsyncSaveResponse
 
     def complete_steps(self) -> list[int]:
         """Steps complete on this trainer's node, newest first."""
@@ -455,6 +496,7 @@ class Checkpointer:
         """Load the agreed newest complete step into `state`; its step, or None if there is none."""
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         step = self.agreed_step()
         if step is None:
             return None

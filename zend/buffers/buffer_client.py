@@ -138,6 +138,24 @@ class BufferClient:
             reply, _ = self._exchange(body, expect_fd=False, refusal_raises=False, extension=True)
             return reply
 
+    def map_readonly(self, body: dict[str, Any], buffer_id: str, timeout_s: float) -> SharedBuffer:
+        """Ask for an op that answers with a descriptor of memory sealed against writes (a checkpoint segment)
+        and map it read-only; SharedBufferError with the daemon's words if refused."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.settimeout(timeout_s)
+            reply, fd = self._exchange(body, expect_fd=True, extension=True)
+        if fd is None:
+            raise SharedBufferError(f"zend daemon answered {body.get('op')!r} without a descriptor")
+        nbytes = reply.get("nbytes")
+        try:
+            if not isinstance(nbytes, int) or nbytes < 1:
+                raise SharedBufferError(f"zend daemon answered {body.get('op')!r} with nbytes={nbytes!r}")
+            return SharedBuffer.attach_readonly(fd, nbytes, buffer_id)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _request(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             reply, _ = self._exchange(body, expect_fd=False)

@@ -66,8 +66,9 @@ class _Session:
 
 
 # an op the daemon serves on this socket beside the buffers' own (its step doorbell): the session that
-# sent it and the message as it came -> the reply's body; wire.ProtocolError drops the connection
-OpHandler = Callable[[SessionInfo, dict[str, Any]], dict[str, Any]]
+# sent it and the message as it came -> the reply's body, or (body, fd) to pass a descriptor with it (closed
+# once sent: a duplicate); wire.ProtocolError drops the connection
+OpHandler = Callable[[SessionInfo, dict[str, Any]], dict[str, Any] | tuple[dict[str, Any], int]]
 
 
 class BufferServer:
@@ -435,7 +436,14 @@ class BufferServer:
         if isinstance(request, wire.Hello):
             raise wire.ProtocolError("'hello' may be sent only once")
         if isinstance(request, wire.Extension):
-            wire.send_message(conn, self._ops[request.op](session.info, request.body))
+            reply = self._ops[request.op](session.info, request.body)
+            if isinstance(reply, tuple):  # (body, fd): a descriptor goes with it (a checkpoint segment), then is
+                try:  # closed here: the handler gives a duplicate of its own
+                    wire.send_message(conn, reply[0], fd=reply[1])
+                finally:
+                    os.close(reply[1])
+            else:
+                wire.send_message(conn, reply)
             return
         if isinstance(request, wire.Free):
             try:

@@ -20,11 +20,13 @@ import fcntl
 import mmap
 import os
 import threading
+import warnings
 from typing import Self
 
 import torch
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python's fcntl may lack it
 BUFFER_MODE = 0o600  # of the memfd's inode: owner only (the descriptor passed over the socket needs no more)
 
 
@@ -61,10 +63,21 @@ class SharedBuffer:
         self._fd = fd
         self._mm = mm
         self._lock = threading.Lock()
+        self._readonly = False  # attach_readonly: a PROT_READ mapping
 
     @classmethod
     def create(cls, nbytes: int, buffer_id: str) -> Self:
         """A new zero-filled buffer of ``nbytes`` (at least 1) bytes."""
+        return cls._create(nbytes, buffer_id, _SEALS)
+
+    @classmethod
+    def create_sealable(cls, nbytes: int, buffer_id: str) -> Self:
+        """As `create`, its seals left open for `seal_writes` (a checkpoint segment: filled by the daemon, then
+        lent read-only)."""
+        return cls._create(nbytes, buffer_id, _SEALS & ~fcntl.F_SEAL_SEAL)
+
+    @classmethod
+    def _create(cls, nbytes: int, buffer_id: str, seals: int) -> Self:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
         fd = os.memfd_create(f"zend-buffer-{buffer_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -73,7 +86,7 @@ class SharedBuffer:
             # it. The trainer gets it over the socket and maps it from there, so the inode owes nobody else.
             os.fchmod(fd, BUFFER_MODE)
             os.ftruncate(fd, nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, OverflowError, ValueError) as exc:
             os.close(fd)
@@ -130,7 +143,41 @@ class SharedBuffer:
                 raise SharedBufferError(f"buffer {self.buffer_id!r} is closed")
             if nbytes == 0:
                 return torch.empty(0, dtype=dtype)
+            if self._readonly:  # torch warns of a buffer it cannot write; the caller only reads it
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
             return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
+
+    def seal_writes(self) -> None:
+        """No more writes, by anyone: F_SEAL_FUTURE_WRITE (this side's mapping stays, unused from now on; no
+        new writable mapping and no write() is allowed), so the descriptor may be handed to a reader."""
+        with self._lock:
+            if self._mm is None:
+                raise SharedBufferError(f"buffer {self.buffer_id!r} is closed")
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+            except OSError as exc:
+                raise SharedBufferError(f"buffer {self.buffer_id!r}: cannot seal it against writes: {exc}") from exc
+
+    @classmethod
+    def attach_readonly(cls, fd: int, nbytes: int, buffer_id: str) -> Self:
+        """Map ``nbytes`` of a memfd sealed against writes (seal_writes), read-only. Views of it must only be
+        read (torch cannot mark them so); on success the buffer owns ``fd``."""
+        try:
+            size, seals = os.fstat(fd).st_size, fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise SharedBufferError(f"buffer {buffer_id!r}: fd {fd} is not a sealed memfd: {exc}") from exc
+        if size < nbytes or not seals & F_SEAL_FUTURE_WRITE:
+            raise SharedBufferError(f"buffer {buffer_id!r}: fd {fd} holds {size} bytes (want {nbytes}), seals "
+                                    f"{seals:#x} (want writes sealed)")
+        try:
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise SharedBufferError(f"buffer {buffer_id!r}: cannot map {nbytes} bytes of fd {fd}: {exc}") from exc
+        buffer = cls(buffer_id, nbytes, fd, mm)
+        buffer._readonly = True
+        return buffer
 
     def publish(self) -> None:
         """Make this side's writes visible to the other process before handing the buffer over (a step

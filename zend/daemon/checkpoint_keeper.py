@@ -11,7 +11,9 @@ traffic goes first (GEMINI's interleaving, at the grain of whole steps).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from zend.buffers.shared import SharedBuffer, SharedBufferError
 from zend.core.comm import Communicator
 from zend.daemon import errors as codes
 from zend.daemon.checkpoint_recovery import CENSUS_KEY, CENSUS_TENSOR, CensusOffer, JobHolding, run_census
@@ -30,6 +33,51 @@ from zend.daemon.jobs import Session, job_key
 
 log = logging.getLogger("zend.checkpoints")
 PACE_WAIT_S = 0.05  # the longest a replica chunk waits for the node's gradient steps to finish
+ALIGN = 64
+
+
+class Segments:
+    """Checkpoint memory: memfds the daemon fills, seals against writes, then lends to its job's trainers to
+    map read-only (a restore copies once, from pages that already exist, into the state dict)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, SharedBuffer]] = []  # made, not yet sealed and given to a checkpoint
+        self.offsets: dict[str, tuple[str, int]] = {}  # key -> (segment id, offset) of what was allocated
+
+    def allocate(self, lengths: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
+        """Room for each (key, length): views of one new segment (empty objects: empty tensors)."""
+        offsets, total = {}, 0
+        for key, n in lengths:
+            if n:
+                offsets[key] = total
+                total += -(-n // ALIGN) * ALIGN
+        room = {key: torch.empty(0, dtype=torch.uint8) for key, n in lengths if not n}
+        if not total:
+            return room
+        segment_id = secrets.token_hex(8)
+        try:
+            segment = SharedBuffer.create_sealable(total, segment_id)
+        except SharedBufferError as exc:
+            raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint memory of {total} bytes: {exc}") from None
+        self.pending.append((segment_id, segment))
+        for key, n in lengths:
+            if n:
+                room[key] = segment.view(torch.uint8, offsets[key], n)
+                self.offsets[key] = (segment_id, offsets[key])
+        return room
+
+    def give(self, c: Checkpoint) -> None:
+        """Seal what was filled and hand it to `c` (its objects are views of it)."""
+        for segment_id, segment in self.pending:
+            segment.seal_writes()
+            c.segments[segment_id] = segment
+        c.places.update({k: v for k, v in self.offsets.items() if k in c.objects})
+        self.pending.clear()
+
+    def discard(self) -> None:
+        for _, segment in self.pending:
+            segment.close()
+        self.pending.clear()
 
 
 @dataclass(frozen=True)
@@ -66,13 +114,16 @@ class CheckpointKeeper:
         timeout_s: how long a replication round waits for a peer's message.
         busy: whether a gradient step is in flight on this node.
         record: metrics: (job, step, seconds or None when it failed).
+        recovered: metrics: (bytes, seconds) of a checkpoint recovered from a peer by a census.
     """
 
     def __init__(self, store: CheckpointStore, buffer: Callable[[str, str], Any], data_plane: Callable[[], DataPlane],
                  replicas: int, timeout_s: float, busy: Callable[[], bool] = lambda: False,
-                 record: Callable[[str, int, float | None], None] = lambda job, step, seconds: None):
+                 record: Callable[[str, int, float | None], None] = lambda job, step, seconds: None,
+                 recovered: Callable[[int, float], None] = lambda nbytes, seconds: None):
         self.store, self.buffer, self.data_plane = store, buffer, data_plane
         self.replicas, self.timeout_s, self.busy, self.record = replicas, timeout_s, busy, record
+        self.recovered = recovered
         self._lock = threading.Lock()
         self._jobs: dict[str, str] = {}  # job_key -> job, every job a trainer opened a session of here
         self._watcher: Callable[[str, int, int], None] | None = None
@@ -124,12 +175,25 @@ class CheckpointKeeper:
             if objects:
                 assert buffer is not None
                 self.store.room(job, sum(o.length for o in objects))
+                if any(o.key == METADATA_KEY for o in objects) and not coordinator:
+                    raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: rank {rank} sent metadata but "
+                                                            "is not the coordinator")
                 for o in objects:
-                    if o.key == METADATA_KEY and not coordinator:
-                        raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: rank {rank} sent metadata "
-                                                                "but is not the coordinator")
-                    data = buffer.view(torch.uint8, o.offset, o.length).clone()
-                    self.store.put(c, o.key, data, own=o.key != METADATA_KEY)
+                    buffer.view(torch.uint8, o.offset, o.length)  # every range checked before anything is kept
+                segments = Segments()
+                try:
+                    room = segments.allocate([(o.key, o.length) for o in objects if o.key != METADATA_KEY])
+                    for o in objects:
+                        data = buffer.view(torch.uint8, o.offset, o.length)
+                        if o.key == METADATA_KEY:
+                            self.store.put(c, o.key, data.clone(), own=False)
+                        else:
+                            room[o.key].copy_(data)
+                            self.store.put(c, o.key, room[o.key])
+                    segments.give(c)
+                except BaseException:
+                    segments.discard()
+                    raise
             whole = done and self.store.done(c, rank, coordinator, session.local_world_size)
             if whole:
                 c.state = "replicating"
@@ -168,6 +232,30 @@ class CheckpointKeeper:
         buffer.publish()
         return total
 
+    def locate(self, session: Session, step: int, keys: Sequence[str]) -> list[tuple[str, str, int, int, int]]:
+        """(key, segment id or "", offset, length, segment bytes) of objects of complete checkpoint `step`."""
+        self.wait_settled()
+        with self._lock:
+            c = self.store.readable(session.job, step)
+            out = []
+            for key in keys:
+                data = self.store.object(c, key)
+                segment_id, offset = c.places.get(key, ("", 0))
+                segment = c.segments.get(segment_id)
+                out.append((key, segment_id if segment is not None else "", offset, data.numel(),
+                            segment.nbytes if segment is not None else 0))
+        return out
+
+    def segment(self, job: str, step: int, segment_id: str) -> tuple[int, int]:
+        """(bytes, a duplicate descriptor) of a segment of complete checkpoint `step` of `job`, sealed against
+        writes: the trainer maps it read-only."""
+        with self._lock:
+            c = self.store.readable(job, step)
+            segment = c.segments.get(segment_id)
+            if segment is None:
+                raise StepError(codes.NOT_FOUND, f"checkpoint step {step} has no segment {segment_id[:20]!r}")
+            return segment.nbytes, os.dup(segment.fileno())
+
     def held_bytes(self) -> int:
         return self.store.held
 
@@ -197,9 +285,14 @@ class CheckpointKeeper:
             mine = CensusOffer(plane.nodes[me], {job: h for job in self.store.jobs
                                                  if (h := self._holding(job)) is not None})
         prefix = f"{CENSUS_KEY}/{CENSUS_TENSOR}/{generation}/0/"
+        started = time.monotonic()
+        segments: dict[str, Segments] = {}  # by job
         try:
-            recovered, decided = run_census(plane.comm, prefix, mine, self._object, self.timeout_s)
+            recovered, decided = run_census(plane.comm, prefix, mine, self._object, self.timeout_s,
+                                            lambda job, lengths: segments.setdefault(job, Segments()).allocate(lengths))
         except Exception as exc:  # a failed census: what is held stays, nothing is restored
+            for each in segments.values():
+                each.discard()
             log.warning("checkpoint census failed", extra={"event": "checkpoint_census_failed",
                                                            "generation": generation, "reason": str(exc)[:500]})
             return
@@ -209,18 +302,24 @@ class CheckpointKeeper:
             c = Checkpoint(r.step, 0, objects=r.objects, own_keys=set(r.holding.copies.get(node, {})),
                            state="complete", holders=(node, plane.nodes[sender]), nodes=r.holding.nodes,
                            writers=r.holding.writers, copies={node: tuple(r.holding.copies.get(node, {}))})
+            held = segments.pop(r.job, Segments())
             with self._lock:
                 try:
                     self.store.room(r.job, c.nbytes)
                 except StepError as exc:
+                    held.discard()
                     self.store.lose(r.job, r.step, f"checkpoint step {r.step} was recovered from a peer but does not "
                                                    f"fit here: {exc.message}")
                     continue
+                held.give(c)
                 self.store.install(r.job, c)
             self.note_job(r.job)
             self._tell(r.job)
+            seconds = time.monotonic() - started
+            self.recovered(c.nbytes, seconds)
             log.info("checkpoint recovered from a peer", extra={
-                "event": "checkpoint_recovered", "job": r.job, "step": r.step, "bytes": c.nbytes})
+                "event": "checkpoint_recovered", "job": r.job, "step": r.step, "bytes": c.nbytes,
+                "seconds": round(seconds, 4), "from_node": plane.nodes[sender]})
         for job, (step, why) in decided.lost.items():
             with self._lock:
                 self.store.lose(job, step, why)
@@ -273,12 +372,15 @@ class CheckpointKeeper:
             self._complete(job, step, since, None, nodes[:1] or [0])
             return
         prefix = f"{job_key(job)}/{CKPT_TENSOR}/{step}/{plane.generation}/"
+        segments = Segments()
         try:
-            done = replicate(plane.comm, prefix, step, mine, objects, self.replicas, self.timeout_s, self._pace)
+            done = replicate(plane.comm, prefix, step, mine, objects, self.replicas, self.timeout_s, self._pace,
+                             segments.allocate)
         except Exception as exc:
+            segments.discard()
             self._fail(job, step, str(exc))
             return
-        self._complete(job, step, since, done, nodes)
+        self._complete(job, step, since, done, nodes, segments)
 
     @staticmethod
     def _offer(c: Checkpoint) -> Offer:
@@ -290,10 +392,13 @@ class CheckpointKeeper:
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.001)
 
-    def _complete(self, job: str, step: int, since: float, done: Replicated | None, nodes: list[int]) -> None:
+    def _complete(self, job: str, step: int, since: float, done: Replicated | None, nodes: list[int],
+                  segments: Segments | None = None) -> None:
         with self._lock:
             c = self.store.jobs.get(job, {}).get(step)
             if c is None:
+                if segments is not None:
+                    segments.discard()
                 return
             if done is None:  # one node: nobody to replicate to
                 holders: tuple[int, ...] = (nodes[0],)
@@ -310,6 +415,8 @@ class CheckpointKeeper:
                 for key, data in done.objects.items():  # replicas: held past the bound rather than lost
                     if key not in c.objects:
                         self.store.put(c, key, data, own=False)
+                if segments is not None:
+                    segments.give(c)
             self.store.complete(job, step, holders)
             watcher = self._watcher
         seconds = time.monotonic() - since

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from zend.core.codec import PeerMessageError
 from zend.core.comm import Communicator
-from zend.daemon.checkpoint_replication import CHUNK_BYTES, MAX_OFFER_BYTES
+from zend.daemon.checkpoint_replication import CHUNK_BYTES, MAX_OFFER_BYTES, fresh
 
 CENSUS_KEY = "census"  # the tags' job key (a job's key is 12 hex digits: never this)
 CENSUS_TENSOR = (1 << 32) + 1
@@ -77,7 +77,8 @@ class CensusOffer:
                 if jobs[str(job)].step < 0 or jobs[str(job)].metadata < 1:
                     raise ValueError(f"job {str(job)[:40]!r}: step {h['step']}, metadata {h['metadata']}")
             return CensusOffer(int(body["node"]), jobs)
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+                RecursionError) as exc:
             raise bad(f"not a census offer ({str(exc)[:120]})") from None
 
 
@@ -138,10 +139,12 @@ class Recovered:
     holding: JobHolding  # as the sender held it
 
 
-def run_census(comm: Communicator, prefix: str, mine: CensusOffer,
-               read: Callable[[str, int, str], torch.Tensor], timeout_s: float) -> tuple[list[Recovered], CensusPlan]:
-    """The module's three rounds for this node; `read(job, step, key)` gives an object it holds. Raises on
-    failure, having aborted `prefix` everywhere."""
+def run_census(comm: Communicator, prefix: str, mine: CensusOffer, read: Callable[[str, int, str], torch.Tensor],
+               timeout_s: float, allocate: Callable[[str, Sequence[tuple[str, int]]], dict[str, torch.Tensor]] =
+               lambda job, lengths: fresh(lengths)) -> tuple[list[Recovered], CensusPlan]:
+    """The module's three rounds for this node; `read(job, step, key)` gives an object it holds, `allocate`
+    the room for each job's objects it receives (the metadata aside). Raises on failure, having aborted
+    `prefix` everywhere."""
     me, n = comm.rank, comm.world_size
     others = [j for j in range(n) if j != me]
     try:
@@ -173,8 +176,9 @@ def run_census(comm: Communicator, prefix: str, mine: CensusOffer,
             seq: dict[int, int] = {}
             for t in recvs:
                 objects = {}
+                room = allocate(t.job, [(key, length) for key, length in t.keys if key])
                 for key, length in t.keys:
-                    out = torch.empty(length, dtype=torch.uint8)
+                    out = room[key] if key else torch.empty(length, dtype=torch.uint8)
                     for a in range(0, length, CHUNK_BYTES):
                         i = seq.get(t.sender, 0)
                         part = comm.recv(t.sender, f"{prefix}data/{i}", timeout_s).reshape(-1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +65,7 @@ class Offer:
             raise bad(f"header of {n} bytes in a message of {raw.numel()}")
         try:
             head = json.loads(bytes(raw[_HEAD.size:_HEAD.size + n].numpy()))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise bad(f"header is not JSON ({exc})") from None
         flag = int(raw[_HEAD.size + n])
         rest = raw[_HEAD.size + n + 1:]
@@ -127,10 +127,19 @@ def _chunks(length: int) -> list[tuple[int, int]]:
     return [(a, min(length, a + CHUNK_BYTES)) for a in range(0, length, CHUNK_BYTES)]
 
 
+Allocate = Callable[[Sequence[tuple[str, int]]], dict[str, torch.Tensor]]  # (key, length)s -> room for each
+
+
+def fresh(lengths: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor]:
+    return {key: torch.empty(n, dtype=torch.uint8) for key, n in lengths}
+
+
 def replicate(comm: Communicator, prefix: str, step: int, mine: Offer, objects: Mapping[str, torch.Tensor],
-              replicas: int, timeout_s: float, pace: Callable[[], None] = lambda: None) -> Replicated:
+              replicas: int, timeout_s: float, pace: Callable[[], None] = lambda: None,
+              allocate: Allocate = fresh) -> Replicated:
     """Rounds 1-3 of the module's docstring for this node; raises (CommError, PeerMessageError,
-    CheckpointIncomplete) on failure, having aborted `prefix` everywhere."""
+    CheckpointIncomplete) on failure, having aborted `prefix` everywhere. What it receives lands in the
+    room `allocate` gives (the daemon's checkpoint segments)."""
     me, n = comm.rank, comm.world_size
     others = [j for j in range(n) if j != me]
     try:
@@ -167,11 +176,12 @@ def replicate(comm: Communicator, prefix: str, step: int, mine: Offer, objects: 
         sender.start()
         received: dict[str, torch.Tensor] = {}
         try:
+            room = allocate([(k, offers[j].objects[k]) for j, keys in to_recv.items() for k in keys])
             for j, keys in to_recv.items():
                 seq = 0
                 for key in keys:
                     length = offers[j].objects[key]
-                    out = torch.empty(length, dtype=torch.uint8)
+                    out = room[key]
                     for a, b in _chunks(length):
                         part = comm.recv(j, f"{prefix}data/{seq}", timeout_s).reshape(-1)
                         if part.numel() != b - a:

@@ -17,13 +17,14 @@ Pure bookkeeping: no I/O and no threads; the daemon's CheckpointKeeper holds the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
+from zend.protocol.checkpoint import METADATA_KEY
 
-METADATA_KEY = ""
 MAX_KEY_CHARS = 1024  # a DCP item's key: its fully qualified name and chunk offsets
 MAX_OBJECTS_PER_STEP = 1 << 20
 MAX_STEP = (1 << 63) - 1
@@ -47,6 +48,19 @@ class Checkpoint:
     nodes: tuple[int, ...] = ()
     writers: tuple[int, ...] = ()
     copies: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # the memory its objects are views of: segments (closed when the checkpoint is freed) by id, and each
+    # object's (segment id, offset); an object in none (the metadata) is read by copy
+    segments: dict[str, Any] = field(default_factory=dict)
+    places: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def release(self) -> None:
+        """Drop the objects and close the segments (a view still in use keeps its pages until dropped)."""
+        self.objects.clear()
+        self.own_keys.clear()
+        self.places.clear()
+        for segment in self.segments.values():
+            segment.close()
+        self.segments.clear()
 
     @property
     def nbytes(self) -> int:
@@ -97,12 +111,12 @@ class CheckpointStore:
         c = steps.get(step)
         if c is None:
             c = steps[step] = Checkpoint(step, world_size)
-        if c.world_size != world_size:
-            raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: rank {rank} says world size "
-                                                    f"{world_size}, another trainer said {c.world_size}")
         if c.state != "writing":
             raise StepError(codes.FAILED_PRECONDITION, f"checkpoint step {step} of job {job!r} is {c.state} "
                                                        f"already{': ' + c.reason if c.reason else ''}")
+        if c.world_size != world_size:
+            raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: rank {rank} says world size "
+                                                    f"{world_size}, another trainer said {c.world_size}")
         if rank in c.done_ranks:
             raise StepError(codes.FAILED_PRECONDITION, f"checkpoint step {step}: rank {rank} said it was done")
         if rank not in c.local_ranks and len(c.local_ranks) >= local_world_size:
@@ -113,20 +127,25 @@ class CheckpointStore:
         return c
 
     def room(self, job: str, nbytes: int) -> None:
-        """Make room for `nbytes` more of `job`, freeing its older kept complete step if that is enough;
-        else RESOURCE_EXHAUSTED naming the bound."""
-        for _ in range(2):
-            job_held = self.job_bytes(job)
-            if job_held + nbytes > self.max_job_bytes:
-                bound = (f"job {job!r} holds {job_held} checkpoint bytes on this node, its bound is "
-                         f"{self.max_job_bytes} (--checkpoint-job-bytes)")
-            elif self.held + nbytes > self.max_bytes:
-                bound = (f"this daemon holds {self.held} checkpoint bytes, its bound is {self.max_bytes} "
-                         "(--checkpoint-memory-bytes)")
-            else:
+        """Make room for `nbytes` more of `job`: if it does not fit, its complete steps older than the newest
+        are freed, oldest first, but only when that makes it fit; else RESOURCE_EXHAUSTED naming the bound
+        (and nothing freed)."""
+        steps = self.jobs.get(job, {})
+        older = sorted(s for s, c in steps.items() if c.state == "complete")[:-1]
+        freeable = sum(steps[s].nbytes for s in older)
+        job_held = self.job_bytes(job)
+        if self.held + nbytes - freeable > self.max_bytes:
+            raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint of {nbytes} more bytes refused: this daemon holds "
+                                                      f"{self.held} checkpoint bytes, its bound is {self.max_bytes} "
+                                                      "(--checkpoint-memory-bytes)")
+        if job_held + nbytes - freeable > self.max_job_bytes:
+            raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint of {nbytes} more bytes refused: job {job!r} holds "
+                                                      f"{job_held} checkpoint bytes on this node, its bound is "
+                                                      f"{self.max_job_bytes} (--checkpoint-job-bytes)")
+        for s in older:
+            if self.job_bytes(job) + nbytes <= self.max_job_bytes and self.held + nbytes <= self.max_bytes:
                 return
-            if not self._free_older_complete(job):
-                raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint of {nbytes} more bytes refused: {bound}")
+            self._drop(job, s)
 
     def put(self, c: Checkpoint, key: str, data: torch.Tensor, own: bool = True) -> None:
         """(after `room`) Keep `data` (uint8, owned by the store from now on) as object `key`."""
@@ -168,6 +187,7 @@ class CheckpointStore:
         old = steps.pop(c.step, None)
         if old is not None:
             self.held -= old.nbytes
+            old.release()
         steps[c.step] = c
         self.held += c.nbytes
         self._trim(job, c.step)
@@ -191,8 +211,7 @@ class CheckpointStore:
         if c is None:
             return
         self.held -= c.nbytes
-        c.objects.clear()
-        c.own_keys.clear()
+        c.release()
         c.state, c.reason = "failed", reason
         self._trim_failed(job)
 
@@ -204,13 +223,7 @@ class CheckpointStore:
     def _drop(self, job: str, step: int) -> None:
         c = self.jobs[job].pop(step)
         self.held -= c.nbytes
-
-    def _free_older_complete(self, job: str) -> bool:
-        complete = sorted(s for s, c in self.jobs.get(job, {}).items() if c.state == "complete")
-        if len(complete) < 2:
-            return False
-        self._drop(job, complete[0])
-        return True
+        c.release()
 
     def drop_job(self, job: str) -> None:
         for step in list(self.jobs.get(job, {})):

@@ -22,11 +22,12 @@ from grpc_health.v1.health import aio as health_aio
 
 from zend.api.zen.v1 import zen_pb2 as pb
 from zend.api.zen.v1 import zen_pb2_grpc as pb_grpc
-from zend.buffers import BufferServer, ClaimRefused, SessionInfo
+from zend.buffers import BufferServer, ClaimRefused, SessionInfo, wire
 from zend.buffers.cuda import no_expandable_segments
 from zend.core.comm import Communicator
 from zend.core.schemes import Scheme, make_scheme
 from zend.daemon import admission, socket_steps
+from zend.daemon import errors as codes
 from zend.daemon.backoff import Backoff
 from zend.daemon.checkpoint_keeper import CheckpointKeeper, DataPlane
 from zend.daemon.checkpoint_recovery import CENSUS_KEY, CENSUS_TENSOR
@@ -62,6 +63,7 @@ from zend.daemon.status import CheckpointStatus, NodeStatus, PeerStatus, Session
 from zend.daemon.steps import STEP_WINDOW
 from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
+from zend.protocol.checkpoint import SEGMENT_OP
 from zend.protocol.version import daemon_version
 from zend.transport import choose_transport, create, parse_uri
 from zend.transport.engine_choice import choose_engine
@@ -92,7 +94,8 @@ class Daemon:
         if torch.cuda.is_available():
             no_expandable_segments()
         self.buffers = BufferServer(s.buffer_socket, self._claim_session, on_session_closed=self.end_session,
-                                    ops={socket_steps.OP: lambda info, body: self.socket_steps(info, body)},
+                                    ops={socket_steps.OP: lambda info, body: self.socket_steps(info, body),
+                                         SEGMENT_OP: lambda info, body: self._checkpoint_segment(info, body)},
                                     max_session_bytes=s.max_session_bytes, max_total_bytes=s.max_pool_bytes,
                                     max_job_bytes=s.job_buffer_bytes, cuda_pool=torch.cuda.is_available(),
                                     hello_timeout_s=s.buffer_hello_timeout_s,
@@ -108,7 +111,7 @@ class Daemon:
         self.checkpoints = (CheckpointKeeper(CheckpointStore(s.checkpoint_memory_bytes, s.job_checkpoint_bytes),
                                              self.buffers.get, self._checkpoint_plane, s.checkpoint_replicas,
                                              s.step_timeout_s, lambda: self.trainer_steps.in_flight() > 0,
-                                             self.metrics.record_checkpoint)
+                                             self.metrics.record_checkpoint, self.metrics.record_recovery)
                             if s.checkpoint_memory_bytes else None)
         self.engine_name = "python"  # the data-plane engine of tcp:// links (engine_choice.py)
         self.grpc: GrpcServers | None = None  # the unix socket (every service) and --grpc-listen (TCP)
@@ -157,6 +160,7 @@ class Daemon:
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
                                  self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.not_whole,
                                  self.job_step, self.checkpoints)
+        trainer.record_restore = self.metrics.record_restore
         operator = OperatorService(self.status, self.drain, self.undrain, s.drain_timeout_s, count_error,
                                    operator_token(self.secret))
         return trainer, operator
@@ -457,6 +461,20 @@ class Daemon:
                           data_plane_engine=self.engine_name, state=self.node_state.state.name,
                           state_reason=self.node_state.state.why_not_serving() or "",
                           checkpoints=self._checkpoint_status())
+
+    def _checkpoint_segment(self, info: SessionInfo, body: dict[str, Any]) -> Any:
+        """buffers.sock op: a read-only checkpoint segment of the caller's job, as a descriptor."""
+        step, segment = body.get("step"), body.get("segment")
+        if self.checkpoints is None:
+            return wire.reply_error("this daemon keeps no checkpoints", codes.FAILED_PRECONDITION)
+        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(segment, str):
+            return wire.reply_error(f"{SEGMENT_OP}: step must be an integer and segment a string, got "
+                                    f"{step!r}, {segment!r}"[:200], codes.INVALID_ARGUMENT)
+        try:
+            nbytes, fd = self.checkpoints.segment(info.job, step, segment)
+        except StepError as exc:
+            return wire.reply_error(exc.message, exc.code)
+        return wire.reply_ok(nbytes=nbytes), fd
 
     def _checkpoint_status(self) -> tuple[CheckpointStatus, ...]:
         held = self.checkpoints.job_status() if self.checkpoints is not None else []

@@ -212,6 +212,11 @@ class DaemonMetrics:
         self.checkpoint_restore_seconds = Histogram("zen_checkpoint_restore_seconds",
                                                     "One trainer's read of checkpoint objects from this daemon",
                                                     buckets=BUCKETS, registry=r)
+        self.checkpoint_recovery_seconds = Histogram(
+            "zen_checkpoint_recovery_seconds", "A checkpoint this node had lost, recovered from a peer's copy when a "
+            "generation formed (the census, from its start)", buckets=(*BUCKETS, 120.0, 300.0), registry=r)
+        self.checkpoint_recovered_bytes = Counter("zen_checkpoint_recovered_bytes",
+                                                  "Checkpoint bytes recovered from peers' copies", registry=r)
         self.checkpoint_restored_bytes = Counter("zen_checkpoint_restored_bytes",
                                                  "Checkpoint bytes copied to trainers", registry=r)
         self._levels = _LevelCollector()
@@ -252,6 +257,10 @@ class DaemonMetrics:
             return
         self.checkpoint_replication_seconds.observe(seconds)
         self.checkpoint_last_step.labels(self.job_label(job)).set(step)
+
+    def record_recovery(self, nbytes: int, seconds: float) -> None:
+        self.checkpoint_recovery_seconds.observe(seconds)
+        self.checkpoint_recovered_bytes.inc(nbytes)
 
     def record_restore(self, nbytes: int, seconds: float) -> None:
         self.checkpoint_restore_seconds.observe(seconds)

@@ -71,6 +71,7 @@ class TrainerService(pb_grpc.TrainerServicer):
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
         self.not_whole, self.job_step = not_whole, job_step
         self.checkpoints = checkpoints
+        self.record_restore: Callable[[int, float], None] | None = None  # metrics: (bytes, seconds) of a read
 
     def _session(self, context: grpc.ServicerContext, session_id: str) -> Session:
         """The open session, if the caller holds its job's token (an unknown session is NOT_FOUND first)."""
@@ -189,7 +190,14 @@ class TrainerService(pb_grpc.TrainerServicer):
     @maps_errors
     def ReadCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
         s = self._session(context, request.session_id)
-        self._keeper().read(s, request.step, request.buffer_id, _objects(request.objects))
+        if request.locate:
+            return pb.ReadCheckpointReply(places=[
+                pb.CheckpointPlace(key=k, segment=seg, offset=off, length=n, segment_bytes=size)
+                for k, seg, off, n, size in self._keeper().locate(s, request.step, [o.key for o in request.objects])])
+        started = time.perf_counter()
+        nbytes = self._keeper().read(s, request.step, request.buffer_id, _objects(request.objects))
+        if self.record_restore is not None:
+            self.record_restore(nbytes, time.perf_counter() - started)
         return pb.ReadCheckpointReply()
 
 

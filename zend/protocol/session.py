@@ -26,6 +26,7 @@ from zend.buffers.shared import SharedBufferError  # also the client's: a buffer
 from zend.core import dtypes
 from zend.core.sparse import SparseGrad
 from zend.protocol import paths
+from zend.protocol.checkpoint import SEGMENT_OP
 from zend.protocol.enums import DTYPE_TO_PROTO, LAYOUT_TO_PROTO
 from zend.protocol.layout import TensorSpec
 from zend.protocol.step import BufferRef, StepFailed, StepRequest, StepResult
@@ -169,6 +170,18 @@ class TrainerSession:
             session_id=self.session_id, step=step, buffer_id=buffer_id,
             objects=[pb.CheckpointObject(key=k, offset=o, length=n) for k, o, n in objects]),
             timeout=self.timeout_s, metadata=self.metadata)
+
+    def locate_checkpoint(self, step: int, keys: list[str]) -> list[Any]:
+        """Where objects of complete checkpoint `step` lie in the daemon's read-only segments (CheckpointPlace)."""
+        reply = self.stub.ReadCheckpoint(pb.ReadCheckpointRequest(
+            session_id=self.session_id, step=step, locate=True,
+            objects=[pb.CheckpointObject(key=k) for k in keys]), timeout=self.timeout_s, metadata=self.metadata)
+        return list(reply.places)
+
+    def map_checkpoint_segment(self, step: int, segment: str) -> Any:
+        """A read-only SharedBuffer over segment `segment` of checkpoint `step` (close it when done)."""
+        return self.buffers.map_readonly({"op": SEGMENT_OP, "step": step, "segment": segment}, f"ckpt-{segment}",
+                                         self.timeout_s)
 
     def _step_link(self) -> BufferClient | None:
         """This thread's step connection (made on first use); None once the daemon refused one."""

@@ -209,20 +209,38 @@ class ListCheckpointsReply(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class ReadCheckpointRequest(_message.Message):
-    __slots__ = ("session_id", "step", "buffer_id", "objects")
+    __slots__ = ("session_id", "step", "buffer_id", "objects", "locate")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    LOCATE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     buffer_id: str
     objects: _containers.RepeatedCompositeFieldContainer[CheckpointObject]
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., buffer_id: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[CheckpointObject, _Mapping]]] = ...) -> None: ...
+    locate: bool
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., buffer_id: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[CheckpointObject, _Mapping]]] = ..., locate: bool = ...) -> None: ...
+
+class CheckpointPlace(_message.Message):
+    __slots__ = ("key", "segment", "offset", "length", "segment_bytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    segment: str
+    offset: int
+    length: int
+    segment_bytes: int
+    def __init__(self, key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
 
 class ReadCheckpointReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("places",)
+    PLACES_FIELD_NUMBER: _ClassVar[int]
+    places: _containers.RepeatedCompositeFieldContainer[CheckpointPlace]
+    def __init__(self, places: _Optional[_Iterable[_Union[CheckpointPlace, _Mapping]]] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
     __slots__ = ("session_id", "timeout_seconds")
