@@ -293,6 +293,36 @@ def build() -> db.Dashboard:
         [query(f"sum by (zen_job) (rate({sel('zen_job_tensor_steps_total', TENSOR)}[{RATE}]))", "{{zen_job}}")],
         width=8))
 
+    d = d.with_row(db.Row("Checkpoints in memory").id(108))
+    d = d.with_panel(node_series(
+        80, "Checkpoint bytes held", "In-memory checkpoint bytes each daemon holds: its trainers' objects and its "
+        "peers' replicas (bounded by --checkpoint-memory-bytes).", "bytes", "zen_checkpoint_bytes", width=6))
+    d = d.with_panel(series(
+        81, "Newest complete checkpoint step", "The newest checkpoint step complete on each node, by job: nodes that "
+        "disagree for long are replicating slowly.", "none",
+        [query(f"max by (zen_job, instance) ({sel('zen_checkpoint_last_complete_step', TENSOR)})",
+               "{{zen_job}} {{instance}}")], width=6))
+    ckpt = sel("zen_checkpoint_replication_seconds_bucket")
+    d = d.with_panel(series(
+        82, "Replication lag (p50, p99)", "From a checkpoint step whole on a node to complete on every node "
+        "(offers, replicas to the holders, acknowledgement).", "s",
+        [query(f"histogram_quantile(0.5, sum by (le) (rate({ckpt}[{RATE}])))", "p50", "A"),
+         query(f"histogram_quantile(0.99, sum by (le) (rate({ckpt}[{RATE}])))", "p99", "B")], width=6))
+    d = d.with_panel(series(
+        83, "Recovery and restore", "Seconds to recover a lost node's checkpoint from a peer (census) and to "
+        "serve trainers' reads, p99; checkpoint failures per second.", "s",
+        [query(f"histogram_quantile(0.99, sum by (le) (rate({sel('zen_checkpoint_recovery_seconds_bucket')}"
+               f"[{RATE}])))", "recovery p99", "A"),
+         query(f"histogram_quantile(0.99, sum by (le) (rate({sel('zen_checkpoint_restore_seconds_bucket')}"
+               f"[{RATE}])))", "restore p99", "B"),
+         query(f"sum(rate({sel('zen_checkpoint_failures_total')}[{RATE}]))", "failures / s", "C")], width=6))
+    d = d.with_panel(series(
+        84, "Checkpoint bytes read and recovered", "Bytes per second trainers read from their daemon's checkpoints "
+        "(a restore) and daemons recovered from peers' copies (a census after a node lost its memory).", "Bps",
+        [query(f"sum(rate({sel('zen_checkpoint_restored_bytes_total')}[{RATE}]))", "read by trainers", "A"),
+         query(f"sum(rate({sel('zen_checkpoint_recovered_bytes_total')}[{RATE}]))", "recovered from peers", "B")],
+        width=24))
+
     d = d.with_row(db.Row("Per tensor").id(103))
     d = d.with_panel(tensor_series(
         30, "Push imbalance", "Cluster push load imbalance at each tensor's last step (max / mean; 1 = even).",

@@ -61,6 +61,9 @@ VARIABLE = r"\$\{?([A-Za-z_]\w*)"  # a Grafana variable; "$1" (label_replace's g
 JOB = "metrics"      # the training job of the live test: $zen_job
 WINDOW = "5m"        # $__rate_interval and $__range: longer than the whole live test, so rates see every step
 STEPS = 8
+# series of events the live test does not cause (a node that lost its memory recovering a checkpoint from a
+# peer: tests/daemon/test_checkpoints_dcp.py): exported (checked), their panels may show no data here
+EVENT_ONLY = ("zen_checkpoint_recovery_seconds_bucket", "zen_checkpoint_recovered_bytes_total")
 STEP_PAUSE_S = 0.3   # steps spread over several scrapes, so every counter has a non-zero rate
 
 
@@ -331,7 +334,24 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
                     if node == 1:
                         refused_while_drained(node, link, h, step)
                 link.allreduce(h, random_grad(500, 8, 10 * step + node), step)
+                checkpoint(link, node, step)
                 time.sleep(STEP_PAUSE_S)  # the point: steps spread over scrapes, so the rates have data
+
+    def checkpoint(link: TrainerSession, node: int, step: int) -> None:
+        """An in-memory checkpoint of this step (rank `node` of 2, node 0's the coordinator), and a read of the
+        one before once it is complete."""
+        buf = link.buffers.alloc(4096)
+        try:
+            link.put_checkpoint(step, buf.buffer_id, [(f"obj{node}", 0, 1024)], node, 2, node == 0, node != 0)
+            if node == 0:
+                link.put_checkpoint(step, buf.buffer_id, [("", 1024, 100)], 0, 2, True, True)
+            if step:
+                poll_for(lambda: any(c.step >= step - 1 and c.state == "complete" for c in link.list_checkpoints()),
+                         10, f"checkpoint {step - 1} complete")
+                done = max(c.step for c in link.list_checkpoints() if c.state == "complete")
+                link.read_checkpoint(done, buf.buffer_id, [(f"obj{node}", 0, 1024)])
+        finally:
+            link.buffers.free(buf.buffer_id)
 
     # job "zend"; Prometheus presents the operator token, as deploy/README.md says, so labels carry names; it
     # evaluates alerts.yml, so the recording rules' series are there for the alerts that read them
@@ -342,6 +362,9 @@ def test_every_dashboard_and_alert_query_returns_data_from_live_daemons(fresh_cl
         names_url = f"{prom.url}/api/v1/label/__name__/values"
         failures = []
         for what, expr in queries + alert_queries:
+            if any(name in expr for name in EVENT_ONLY) and not re.search(r"zen_\w+", re.sub(
+                    "|".join(EVENT_ONLY), "", expr)):
+                continue  # only series of events this test does not cause (they must still be exported)
             query = substitute(expr, targets)
             try:  # the last steps reach Prometheus within a scrape or two
                 poll_for(lambda: has_data(prom.query(query)), 15, query, interval_s=0.25)  # noqa: B023

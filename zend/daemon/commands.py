@@ -298,7 +298,8 @@ def _listed(shown: int, total: int) -> str:
 
 
 def format_status(reply: Any) -> str:
-    """A StatusReply as a person reads it: the node, then a table each of peers, sessions and tensors."""
+    """A StatusReply as a person reads it: the node, then a table each of peers, sessions, in-memory checkpoints
+    and tensors."""
     state = "DRAINING" if reply.draining else (reply.state or "serving")
     if reply.state_reason:
         state += f" ({reply.state_reason})"
@@ -325,6 +326,10 @@ def format_status(reply: Any) -> str:
                           ["session", "job", "local rank", "pid", "buffers"],
                           [[x.session_id, x.job_id, x.local_rank, x.pid, _mb(x.buffer_bytes)]
                            for x in reply.sessions])]
+    lines += ["", *_table(f"checkpoints in memory ({len(reply.checkpoints)} jobs)",
+                          ["job", "last complete", "steps held", "bytes"],
+                          [[c.job_id, c.last_complete_step if c.last_complete_step >= 0 else "-",
+                            ",".join(map(str, c.steps)) or "-", _mb(c.bytes)] for c in reply.checkpoints])]
     lines += ["", *_table(f"tensors ({_listed(len(reply.tensors), reply.tensor_count)})",
                           ["job", "tensor", "id", "shape", "dtype", "layout", "scheme", "steps", "last step",
                            "sync ms", "rows in", "rows out", "sent", "push/pull"],
@@ -339,7 +344,7 @@ def format_status(reply: Any) -> str:
 
 # right-aligned in `zend status`'s tables: numbers, sizes and ratios; the rest is text, left-aligned
 NUMERIC_COLUMNS = frozenset({"rank", "local rank", "pid", "buffers", "id", "shape", "steps", "last step", "sync ms",
-                             "rows in", "rows out", "sent", "push/pull"})
+                             "rows in", "rows out", "sent", "push/pull", "last complete", "bytes"})
 
 
 def _table(title: str, header: list[str], rows: list[list[Any]]) -> list[str]:

@@ -225,8 +225,8 @@ class Daemon:
         s, m = self.settings, self.membership
         comm = self.transport if self.transport is not None else _Alone()
         self.trainer_steps.open(NodeSteps(self.metrics.counting(comm, m.members), s.step_timeout_s, m.generation))
-        if self.checkpoints is not None and m.world_size > 1:  # a node that lost its checkpoints gets them back
-            self.checkpoints.new_generation(m.generation)
+        if self.checkpoints is not None and m.world_size > 1 and self.elastic is not None:
+            self.checkpoints.new_generation(m.generation)  # every node forms it: a lost checkpoint comes back
         node = s.rank if s.rank >= 0 else m.rank  # --rank auto: the one the rendezvous gave
         self.metrics.set_node(node, self.transport_name, self.ucx_transports(), m.source.split(" ")[0], m.generation,
                               m.cluster_id)

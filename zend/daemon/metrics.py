@@ -210,7 +210,8 @@ class DaemonMetrics:
         self.checkpoint_failures = Counter("zen_checkpoint_failures", "Checkpoint steps that failed on this node",
                                            registry=r)
         self.checkpoint_restore_seconds = Histogram("zen_checkpoint_restore_seconds",
-                                                    "One trainer's read of checkpoint objects from this daemon",
+                                                    "One trainer's read of checkpoint objects from this daemon (a "
+                                                    "copy, or locating the segments it then maps)",
                                                     buckets=BUCKETS, registry=r)
         self.checkpoint_recovery_seconds = Histogram(
             "zen_checkpoint_recovery_seconds", "A checkpoint this node had lost, recovered from a peer's copy when a "

@@ -190,11 +190,14 @@ class TrainerService(pb_grpc.TrainerServicer):
     @maps_errors
     def ReadCheckpoint(self, request: Any, context: grpc.ServicerContext) -> Any:
         s = self._session(context, request.session_id)
-        if request.locate:
+        started = time.perf_counter()
+        if request.locate:  # the trainer maps the segments itself: counted here as located
+            places = self._keeper().locate(s, request.step, [o.key for o in request.objects])
+            if self.record_restore is not None:
+                self.record_restore(sum(p[3] for p in places), time.perf_counter() - started)
             return pb.ReadCheckpointReply(places=[
                 pb.CheckpointPlace(key=k, segment=seg, offset=off, length=n, segment_bytes=size)
-                for k, seg, off, n, size in self._keeper().locate(s, request.step, [o.key for o in request.objects])])
-        started = time.perf_counter()
+                for k, seg, off, n, size in places])
         nbytes = self._keeper().read(s, request.step, request.buffer_id, _objects(request.objects))
         if self.record_restore is not None:
             self.record_restore(nbytes, time.perf_counter() - started)
