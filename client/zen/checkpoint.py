@@ -33,7 +33,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,14 +235,15 @@ class MemoryWriter(StorageWriter):
         self._put([(METADATA_KEY, encode_metadata(metadata))], done=True)
 
     def _put(self, objects: Sequence[tuple[str, bytes | torch.Tensor]], done: bool) -> None:
-        """Every object into one shared buffer, one PutCheckpoint, the buffer freed."""
+        """Every object into the session's staging buffer (kept between saves: its pages stay mapped), one
+        PutCheckpoint (the daemon has copied them when it returns)."""
         session = self.client.session
         offsets, total = [], 0
         for _, data in objects:
             offsets.append(total)
             total += -(-len(data) // ALIGN) * ALIGN
-        buffer = session.buffers.alloc(max(total, ALIGN)) if objects else None
-        try:
+        with _STAGING_LOCK:
+            buffer = _staging(session, total) if total else None
             refs = []
             for (key, data), offset in zip(objects, offsets, strict=True):
                 n = len(data)
@@ -253,12 +256,27 @@ class MemoryWriter(StorageWriter):
                 buffer.publish()
             _call(self.client, "put", session.put_checkpoint, self.step, buffer.buffer_id if buffer else "", refs,
                   self.rank, self.world_size, self.is_coordinator, done)
-        finally:
-            if buffer is not None:
-                session.buffers.free(buffer.buffer_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.step) if self.step is not None else None)
+
+
+# one staging buffer per session (a restarted daemon's new session gets a new one), reused by every save: a
+# fresh buffer would cost its page faults and its unmapping each time (a third of a save's CPU)
+_STAGING: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_STAGING_LOCK = threading.Lock()
+
+
+def _staging(session: Any, nbytes: int) -> Any:
+    """(under _STAGING_LOCK) The session's staging buffer, at least `nbytes`, grown by doubling."""
+    buffer = _STAGING.get(session)
+    if buffer is not None and buffer.nbytes >= nbytes and not buffer.closed:
+        return buffer
+    if buffer is not None and not buffer.closed:
+        session.buffers.free(buffer.buffer_id)
+    buffer = session.buffers.alloc(max(nbytes, 2 * buffer.nbytes if buffer is not None else 0, 1 << 20))
+    _STAGING[session] = buffer
+    return buffer
 
 
 def _step_of(checkpoint_id: Any) -> int:

@@ -156,6 +156,8 @@ class SharedBuffer:
             if self._mm is None:
                 raise SharedBufferError(f"buffer {self.buffer_id!r} is closed")
             try:
+                if fcntl.fcntl(self._fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE:
+                    return  # sealed before (a segment used again): its own mapping still writes
                 fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
             except OSError as exc:
                 raise SharedBufferError(f"buffer {self.buffer_id!r}: cannot seal it against writes: {exc}") from exc

@@ -36,11 +36,59 @@ PACE_WAIT_S = 0.05  # the longest a replica chunk waits for the node's gradient 
 ALIGN = 64
 
 
+class SegmentPool:
+    """Segments of freed checkpoints that no trainer ever mapped, kept for the next ones: their pages stay
+    mapped, so a save that fills one copies at memory speed rather than faulting in fresh zeroed pages
+    (a checkpoint every iteration frees one of the same size every time). A segment once lent to a trainer
+    is closed instead (a reader may still map it). At most MAX_SEGMENTS segments and `max_bytes`."""
+
+    MAX_SEGMENTS = 8
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[SharedBuffer] = []
+        self._lent: set[int] = set()  # id() of segments whose descriptor went to a trainer
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> SharedBuffer:
+        """A segment of at least `nbytes` (a kept one of at most twice that, else a new one)."""
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.nbytes <= 2 * nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._free.remove(best)
+                return best
+        try:
+            return SharedBuffer.create_sealable(nbytes, secrets.token_hex(8))
+        except SharedBufferError as exc:
+            raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint memory of {nbytes} bytes: {exc}") from None
+
+    def lent(self, segment: SharedBuffer) -> None:
+        with self._lock:
+            self._lent.add(id(segment))
+
+    def recycle(self, segment: SharedBuffer) -> None:
+        with self._lock:
+            keep = (id(segment) not in self._lent and not segment.closed and len(self._free) < self.MAX_SEGMENTS
+                    and sum(b.nbytes for b in self._free) + segment.nbytes <= self.max_bytes)
+            self._lent.discard(id(segment))
+            if keep:
+                self._free.append(segment)
+                return
+        segment.close()
+
+    @property
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+
 class Segments:
     """Checkpoint memory: memfds the daemon fills, seals against writes, then lends to its job's trainers to
     map read-only (a restore copies once, from pages that already exist, into the state dict)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: SegmentPool | None = None) -> None:
+        self.pool = pool
         self.pending: list[tuple[str, SharedBuffer]] = []  # made, not yet sealed and given to a checkpoint
         self.offsets: dict[str, tuple[str, int]] = {}  # key -> (segment id, offset) of what was allocated
 
@@ -55,10 +103,13 @@ class Segments:
         if not total:
             return room
         segment_id = secrets.token_hex(8)
-        try:
-            segment = SharedBuffer.create_sealable(total, segment_id)
-        except SharedBufferError as exc:
-            raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint memory of {total} bytes: {exc}") from None
+        if self.pool is not None:
+            segment = self.pool.take(total)
+        else:
+            try:
+                segment = SharedBuffer.create_sealable(total, segment_id)
+            except SharedBufferError as exc:
+                raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint memory of {total} bytes: {exc}") from None
         self.pending.append((segment_id, segment))
         for key, n in lengths:
             if n:
@@ -76,7 +127,10 @@ class Segments:
 
     def discard(self) -> None:
         for _, segment in self.pending:
-            segment.close()
+            if self.pool is not None:
+                self.pool.recycle(segment)
+            else:
+                segment.close()
         self.pending.clear()
 
 
@@ -122,6 +176,8 @@ class CheckpointKeeper:
                  record: Callable[[str, int, float | None], None] = lambda job, step, seconds: None,
                  recovered: Callable[[int, float], None] = lambda nbytes, seconds: None):
         self.store, self.buffer, self.data_plane = store, buffer, data_plane
+        self.pool = SegmentPool(max(store.max_bytes // 4, 0))
+        store.recycle = self.pool.recycle
         self.replicas, self.timeout_s, self.busy, self.record = replicas, timeout_s, busy, record
         self.recovered = recovered
         self._lock = threading.Lock()
@@ -180,7 +236,7 @@ class CheckpointKeeper:
                                                             "is not the coordinator")
                 for o in objects:
                     buffer.view(torch.uint8, o.offset, o.length)  # every range checked before anything is kept
-                segments = Segments()
+                segments = Segments(self.pool)
                 try:
                     room = segments.allocate([(o.key, o.length) for o in objects if o.key != METADATA_KEY])
                     for o in objects:
@@ -225,10 +281,10 @@ class CheckpointKeeper:
                     raise StepError(codes.INVALID_ARGUMENT, f"checkpoint step {step}: object {o.key[:60]!r} has "
                                                             f"{data.numel()} bytes, the read asks for {o.length}")
                 sources.append((data, o))
-        total = 0
-        for data, o in sources:  # the store keeps these tensors alive; a free only drops its reference
-            buffer.view(torch.uint8, o.offset, o.length).copy_(data)
-            total += o.length
+            total = 0
+            for data, o in sources:  # under the lock: a freed segment may be filled again for a newer step
+                buffer.view(torch.uint8, o.offset, o.length).copy_(data)
+                total += o.length
         buffer.publish()
         return total
 
@@ -254,6 +310,7 @@ class CheckpointKeeper:
             segment = c.segments.get(segment_id)
             if segment is None:
                 raise StepError(codes.NOT_FOUND, f"checkpoint step {step} has no segment {segment_id[:20]!r}")
+            self.pool.lent(segment)  # never reused: the trainer may map it after the checkpoint is freed
             return segment.nbytes, os.dup(segment.fileno())
 
     def held_bytes(self) -> int:
@@ -288,8 +345,9 @@ class CheckpointKeeper:
         started = time.monotonic()
         segments: dict[str, Segments] = {}  # by job
         try:
-            recovered, decided = run_census(plane.comm, prefix, mine, self._object, self.timeout_s,
-                                            lambda job, lengths: segments.setdefault(job, Segments()).allocate(lengths))
+            recovered, decided = run_census(
+                plane.comm, prefix, mine, self._object, self.timeout_s,
+                lambda job, lengths: segments.setdefault(job, Segments(self.pool)).allocate(lengths))
         except Exception as exc:  # a failed census: what is held stays, nothing is restored
             for each in segments.values():
                 each.discard()
@@ -302,7 +360,7 @@ class CheckpointKeeper:
             c = Checkpoint(r.step, 0, objects=r.objects, own_keys=set(r.holding.copies.get(node, {})),
                            state="complete", holders=(node, plane.nodes[sender]), nodes=r.holding.nodes,
                            writers=r.holding.writers, copies={node: tuple(r.holding.copies.get(node, {}))})
-            held = segments.pop(r.job, Segments())
+            held = segments.pop(r.job, Segments(self.pool))
             with self._lock:
                 try:
                     self.store.room(r.job, c.nbytes)
@@ -372,7 +430,7 @@ class CheckpointKeeper:
             self._complete(job, step, since, None, nodes[:1] or [0])
             return
         prefix = f"{job_key(job)}/{CKPT_TENSOR}/{step}/{plane.generation}/"
-        segments = Segments()
+        segments = Segments(self.pool)
         try:
             done = replicate(plane.comm, prefix, step, mine, objects, self.replicas, self.timeout_s, self._pace,
                              segments.allocate)

@@ -53,13 +53,17 @@ class Checkpoint:
     segments: dict[str, Any] = field(default_factory=dict)
     places: dict[str, tuple[str, int]] = field(default_factory=dict)
 
-    def release(self) -> None:
-        """Drop the objects and close the segments (a view still in use keeps its pages until dropped)."""
+    def release(self, recycle: Any = None) -> None:
+        """Drop the objects and hand each segment to `recycle` (else close it: a view still in use keeps its
+        pages until dropped)."""
         self.objects.clear()
         self.own_keys.clear()
         self.places.clear()
         for segment in self.segments.values():
-            segment.close()
+            if recycle is not None:
+                recycle(segment)
+            else:
+                segment.close()
         self.segments.clear()
 
     @property
@@ -83,8 +87,10 @@ class CheckpointStore:
         max_job_bytes: the most one job's checkpoints hold (--checkpoint-job-bytes).
     """
 
-    def __init__(self, max_bytes: int, max_job_bytes: int):
+    def __init__(self, max_bytes: int, max_job_bytes: int, recycle: Any = None):
+        """`recycle(segment)`: what becomes of a freed checkpoint's segments (default: closed)."""
         self.max_bytes, self.max_job_bytes = max_bytes, max_job_bytes
+        self.recycle = recycle
         self.jobs: dict[str, dict[int, Checkpoint]] = {}
         self.held = 0  # bytes over every job
 
@@ -187,7 +193,7 @@ class CheckpointStore:
         old = steps.pop(c.step, None)
         if old is not None:
             self.held -= old.nbytes
-            old.release()
+            old.release(self.recycle)
         steps[c.step] = c
         self.held += c.nbytes
         self._trim(job, c.step)
@@ -211,7 +217,7 @@ class CheckpointStore:
         if c is None:
             return
         self.held -= c.nbytes
-        c.release()
+        c.release(self.recycle)
         c.state, c.reason = "failed", reason
         self._trim_failed(job)
 
@@ -223,7 +229,7 @@ class CheckpointStore:
     def _drop(self, job: str, step: int) -> None:
         c = self.jobs[job].pop(step)
         self.held -= c.nbytes
-        c.release()
+        c.release(self.recycle)
 
     def drop_job(self, job: str) -> None:
         for step in list(self.jobs.get(job, {})):
