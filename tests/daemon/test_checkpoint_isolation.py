@@ -107,3 +107,18 @@ def test_the_memory_bound_is_named_and_old_and_abandoned_steps_are_freed(one_nod
         assert held.bytes < 2 * (200 << 10) + (64 << 10)
     finally:
         a.close()
+
+
+def test_a_refused_put_leaves_nothing_half_kept(one_node):
+    c = one_node
+    a = client(c, "a")
+    try:
+        buf = a.session.buffers.alloc(8192)
+        with pytest.raises(grpc.RpcError) as info:  # the same key twice in one put
+            a.session.put_checkpoint(4, buf.buffer_id, [("x", 0, 4096), ("x", 4096, 4096)], 0, 1, True, False)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "put twice" in info.value.details()
+        a.session.buffers.free(buf.buffer_id)
+        step = next(x for x in a.session.list_checkpoints() if x.step == 4)
+        assert (step.state, step.bytes) == ("failed", 0) and "refused" in step.reason
+    finally:
+        a.close()

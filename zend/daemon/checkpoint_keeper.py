@@ -247,8 +247,9 @@ class CheckpointKeeper:
                             room[o.key].copy_(data)
                             self.store.put(c, o.key, room[o.key])
                     segments.give(c)
-                except BaseException:
+                except BaseException as exc:  # the step is this node's no more: nothing half-put is kept
                     segments.discard()
+                    self.store.fail(job, step, f"rank {rank}'s objects were refused: {exc}")
                     raise
             whole = done and self.store.done(c, rank, coordinator, session.local_world_size)
             if whole:
