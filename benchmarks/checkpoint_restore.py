@@ -84,21 +84,12 @@ def worker(mode: str, size_mib: int, folder: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- the runs
 def run_workers(argvs: list[list[str]], envs: list[dict[str, str]], timeout_s: float = 900) -> list[dict[str, Any]]:
+    from zend.cluster.launcher import wait_for_ranks
+
     procs = [subprocess.Popen(a, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **e},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for a, e in zip(argvs, envs, strict=True)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout_s)
-            if p.returncode != 0:
-                raise RuntimeError(f"a worker failed:\n{err[-3000:]}")
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs
+    return [json.loads(out.strip().splitlines()[-1]) for out in wait_for_ranks(procs, timeout_s, "a worker")]
 
 
 def me(mode: str, args: argparse.Namespace, folder: str = "") -> list[str]:

@@ -168,15 +168,13 @@ class NodeLocalSavePlanner(DefaultSavePlanner):
         return out, metadata
 
 
-class MemoryWriter(StorageWriter):
-    """DCP's StorageWriter into the node's zend daemon. The step is DCP's `checkpoint_id` (or `step`)."""
+class _OnTheDaemon:
+    """What the writer and the reader share: the step (DCP's `checkpoint_id`) and the client they go through
+    (the zen process group's, else one from the environment, made on first use)."""
 
-    def __init__(self, step: int | None = None, client: Client | None = None):
-        super().__init__()
+    def __init__(self, step: int | None, client: Client | None):
         self.step = step
         self._client = client
-        self.is_coordinator = False
-        self.rank, self.world_size = 0, 1
 
     @property
     def client(self) -> Client:
@@ -194,6 +192,15 @@ class MemoryWriter(StorageWriter):
         except CheckpointError:
             return False
         return True
+
+
+class MemoryWriter(_OnTheDaemon, StorageWriter):
+    """DCP's StorageWriter into the node's zend daemon. The step is DCP's `checkpoint_id` (or `step`)."""
+
+    def __init__(self, step: int | None = None, client: Client | None = None):
+        super().__init__(step, client)
+        self.is_coordinator = False
+        self.rank, self.world_size = 0, 1
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.step is None:
@@ -286,30 +293,15 @@ def _step_of(checkpoint_id: Any) -> int:
     return int(text)
 
 
-class MemoryReader(StorageReader):
+class MemoryReader(_OnTheDaemon, StorageReader):
     """DCP's StorageReader from the node's zend daemon: step `step` (DCP's `checkpoint_id`), or the newest
     complete on this node when neither is given (`Checkpointer.load_latest` agrees on one across trainers)."""
 
     def __init__(self, step: int | None = None, client: Client | None = None):
-        super().__init__()
-        self.step = step
-        self._client = client
+        super().__init__(step, client)
         self.storage_data: dict[MetadataIndex, ZenStorage] = {}
         self.read_bytes = 0
         self.read_seconds = 0.0
-
-    @property
-    def client(self) -> Client:
-        self._client = _client(self._client)
-        return self._client
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None:
-            self.step = _step_of(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return MemoryWriter.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs:  # DCP's per-rank metadata (a fallback of its own): there is one metadata per step here

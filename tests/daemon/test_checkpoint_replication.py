@@ -16,7 +16,7 @@ import torch
 from tests.helpers import run_all
 from zend.core.codec import PeerMessageError
 from zend.core.comm import CommAborted, CommError, Communicator
-from zend.daemon import checkpoint_recovery, checkpoint_replication
+from zend.daemon import checkpoint_replication
 from zend.daemon.checkpoint_placement import held_by, replica_peers
 from zend.daemon.checkpoint_recovery import CensusOffer, CensusPlan, JobHolding, Recovered, plan, run_census
 from zend.daemon.checkpoint_replication import CheckpointIncomplete, Offer, Replicated, check_offers, replicate
@@ -32,7 +32,6 @@ CHUNK = 16  # CHUNK_BYTES for these tests: objects of a few chunks stay tiny
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checkpoint_replication, "CHUNK_BYTES", CHUNK)
-    monkeypatch.setattr(checkpoint_recovery, "CHUNK_BYTES", CHUNK)
 
 
 def blob(n: int, seed: int) -> torch.Tensor:

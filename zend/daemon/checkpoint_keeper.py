@@ -87,7 +87,7 @@ class Segments:
     """Checkpoint memory: memfds the daemon fills, seals against writes, then lends to its job's trainers to
     map read-only (a restore copies once, from pages that already exist, into the state dict)."""
 
-    def __init__(self, pool: SegmentPool | None = None) -> None:
+    def __init__(self, pool: SegmentPool) -> None:
         self.pool = pool
         self.pending: list[tuple[str, SharedBuffer]] = []  # made, not yet sealed and given to a checkpoint
         self.offsets: dict[str, tuple[str, int]] = {}  # key -> (segment id, offset) of what was allocated
@@ -103,13 +103,7 @@ class Segments:
         if not total:
             return room
         segment_id = secrets.token_hex(8)
-        if self.pool is not None:
-            segment = self.pool.take(total)
-        else:
-            try:
-                segment = SharedBuffer.create_sealable(total, segment_id)
-            except SharedBufferError as exc:
-                raise StepError(codes.RESOURCE_EXHAUSTED, f"checkpoint memory of {total} bytes: {exc}") from None
+        segment = self.pool.take(total)
         self.pending.append((segment_id, segment))
         for key, n in lengths:
             if n:
@@ -127,10 +121,7 @@ class Segments:
 
     def discard(self) -> None:
         for _, segment in self.pending:
-            if self.pool is not None:
-                self.pool.recycle(segment)
-            else:
-                segment.close()
+            self.pool.recycle(segment)
         self.pending.clear()
 
 
@@ -187,7 +178,7 @@ class CheckpointKeeper:
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._settled = threading.Event()  # no census pending: what this node holds is what it will hold
         self._settled.set()
-        self._thread = threading.Thread(target=self._replicate_loop, name="zen-checkpoints", daemon=True)
+        self._thread = threading.Thread(target=self._work_loop, name="zen-checkpoints", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ admission of checkpoint tags
@@ -403,7 +394,7 @@ class CheckpointKeeper:
             watcher(job_key(job), CKPT_TENSOR, self.store.last_complete(job))
 
     # ------------------------------------------------------------------ replication
-    def _replicate_loop(self) -> None:
+    def _work_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
                 if item[0] == "census":

@@ -17,7 +17,6 @@ rounds (`run_census`), written against a Communicator.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +24,7 @@ import torch
 
 from zend.core.codec import PeerMessageError
 from zend.core.comm import Communicator
-from zend.daemon.checkpoint_replication import CHUNK_BYTES, MAX_OFFER_BYTES, fresh
+from zend.daemon.checkpoint_replication import MAX_OFFER_BYTES, acknowledge, fresh, move_objects
 
 CENSUS_KEY = "census"  # the tags' job key (a job's key is 12 hex digits: never this)
 CENSUS_TENSOR = (1 << 32) + 1
@@ -154,48 +153,15 @@ def run_census(comm: Communicator, prefix: str, mine: CensusOffer, read: Callabl
         decided = plan(offers)
         sends = [t for t in decided.transfers if t.sender == me]
         recvs = [t for t in decided.transfers if t.receiver == me]
-        failure: list[BaseException] = []
-
-        def send_all() -> None:
-            try:
-                seq: dict[int, int] = {}
-                for t in sends:
-                    for key, _ in t.keys:
-                        data = read(t.job, t.step, key).reshape(-1)
-                        for a in range(0, data.numel(), CHUNK_BYTES):  # an empty object: no message
-                            i = seq.get(t.receiver, 0)
-                            comm.send(t.receiver, f"{prefix}data/{i}", data[a:a + CHUNK_BYTES])
-                            seq[t.receiver] = i + 1
-            except BaseException as exc:  # handed to the receiving thread
-                failure.append(exc)
-
-        sender = threading.Thread(target=send_all, name="zen-census-send", daemon=True)
-        sender.start()
-        recovered = []
-        try:
-            seq: dict[int, int] = {}
-            for t in recvs:
-                objects = {}
-                room = allocate(t.job, [(key, length) for key, length in t.keys if key])
-                for key, length in t.keys:
-                    out = room[key] if key else torch.empty(length, dtype=torch.uint8)
-                    for a in range(0, length, CHUNK_BYTES):
-                        i = seq.get(t.sender, 0)
-                        part = comm.recv(t.sender, f"{prefix}data/{i}", timeout_s).reshape(-1)
-                        seq[t.sender] = i + 1
-                        if part.numel() != min(length, a + CHUNK_BYTES) - a:
-                            raise PeerMessageError(t.sender, me, "checkpoint census data",
-                                                   f"chunk {i} of {key[:60]!r} has {part.numel()} bytes")
-                        out[a:a + part.numel()].copy_(part)
-                    objects[key] = out
-                recovered.append(Recovered(t.job, t.step, objects, t.holding))
-        finally:
-            sender.join()
-        if failure:
-            raise failure[0]
-        token = torch.ones(1, dtype=torch.uint8)
-        comm.exchange([(j, prefix + "ack/0", token) for j in others], [(j, prefix + "ack/0") for j in others],
-                      timeout_s)
+        outgoing = [(t.receiver, read(t.job, t.step, key)) for t in sends for key, _ in t.keys]
+        rooms = []
+        for t in recvs:
+            room = allocate(t.job, [(key, length) for key, length in t.keys if key])
+            rooms.append({key: room[key] if key else torch.empty(length, dtype=torch.uint8) for key, length in t.keys})
+        move_objects(comm, prefix, outgoing, [(t.sender, key, room[key]) for t, room in zip(recvs, rooms, strict=True)
+                                              for key, _ in t.keys], timeout_s, "checkpoint census data")
+        recovered = [Recovered(t.job, t.step, room, t.holding) for t, room in zip(recvs, rooms, strict=True)]
+        acknowledge(comm, prefix, timeout_s)
     except BaseException as exc:
         comm.abort(prefix, f"checkpoint census failed on node rank {me}: {exc}")
         raise

@@ -127,6 +127,54 @@ def _chunks(length: int) -> list[tuple[int, int]]:
     return [(a, min(length, a + CHUNK_BYTES)) for a in range(0, length, CHUNK_BYTES)]
 
 
+def move_objects(comm: Communicator, prefix: str, outgoing: Sequence[tuple[int, torch.Tensor]],
+                 incoming: Sequence[tuple[int, str, torch.Tensor]], timeout_s: float, phase: str,
+                 pace: Callable[[], None] = lambda: None) -> None:
+    """A data round: each (destination, object) of `outgoing` sent in CHUNK_BYTES chunks, from a thread of its
+    own (two nodes sending each other much would otherwise fill each other's mailboxes and wait forever),
+    while each (source, key, room) of `incoming` is received into its room. Chunks are numbered per peer
+    (`prefix`data/N), so both sides agree by keeping the same order; an empty object sends nothing. A chunk
+    of the wrong size is a PeerMessageError of `phase`; a send's failure is raised here."""
+    failure: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            seq: dict[int, int] = {}
+            for dst, data in outgoing:
+                flat = data.reshape(-1)
+                for a, b in _chunks(flat.numel()):
+                    pace()
+                    comm.send(dst, f"{prefix}data/{seq.get(dst, 0)}", flat[a:b])
+                    seq[dst] = seq.get(dst, 0) + 1
+        except BaseException as exc:  # handed to the receiving thread
+            failure.append(exc)
+
+    sender = threading.Thread(target=send_all, name=f"zen-{phase.replace(' ', '-')}-send", daemon=True)
+    sender.start()
+    try:
+        seq: dict[int, int] = {}
+        for src, key, out in incoming:
+            for a, b in _chunks(out.numel()):
+                i = seq.get(src, 0)
+                part = comm.recv(src, f"{prefix}data/{i}", timeout_s).reshape(-1)
+                if part.numel() != b - a:
+                    raise PeerMessageError(src, comm.rank, phase, f"chunk {i} of object {key[:60]!r} has "
+                                                                  f"{part.numel()} bytes, {b - a} expected")
+                out[a:b].copy_(part)
+                seq[src] = i + 1
+    finally:
+        sender.join()
+    if failure:
+        raise failure[0]
+
+
+def acknowledge(comm: Communicator, prefix: str, timeout_s: float) -> None:
+    """The last round: a byte from every node to every other."""
+    others = [j for j in range(comm.world_size) if j != comm.rank]
+    token = torch.ones(1, dtype=torch.uint8)
+    comm.exchange([(j, prefix + "ack/0", token) for j in others], [(j, prefix + "ack/0") for j in others], timeout_s)
+
+
 Allocate = Callable[[Sequence[tuple[str, int]]], dict[str, torch.Tensor]]  # (key, length)s -> room for each
 
 
@@ -153,50 +201,16 @@ def replicate(comm: Communicator, prefix: str, step: int, mine: Offer, objects: 
         metadata = next(o.metadata for o in offers.values() if o.metadata is not None)
         assert metadata is not None
 
-        to_send = {p: sorted(k for k in mine.objects if k not in offers[p].objects and mine.objects[k])
+        to_send = {p: sorted(k for k in mine.objects if k not in offers[p].objects)
                    for p in checkpoint_placement.replica_peers(me, n, replicas)}
         to_recv = {j: sorted(k for k in offers[j].objects if k not in mine.objects)
                    for j in checkpoint_placement.held_by(me, n, replicas)}
-        failure: list[BaseException] = []
-
-        def send_all() -> None:
-            try:
-                for p, keys in to_send.items():
-                    seq = 0
-                    for key in keys:
-                        data = objects[key].reshape(-1)
-                        for a, b in _chunks(data.numel()):
-                            pace()
-                            comm.send(p, f"{prefix}data/{seq}", data[a:b])
-                            seq += 1
-            except BaseException as exc:
-                failure.append(exc)
-
-        sender = threading.Thread(target=send_all, name="zen-checkpoint-send", daemon=True)
-        sender.start()
-        received: dict[str, torch.Tensor] = {}
-        try:
-            room = allocate([(k, offers[j].objects[k]) for j, keys in to_recv.items() for k in keys])
-            for j, keys in to_recv.items():
-                seq = 0
-                for key in keys:
-                    length = offers[j].objects[key]
-                    out = room[key]
-                    for a, b in _chunks(length):
-                        part = comm.recv(j, f"{prefix}data/{seq}", timeout_s).reshape(-1)
-                        if part.numel() != b - a:
-                            raise PeerMessageError(j, me, "checkpoint data", f"chunk {seq} of object {key[:60]!r} "
-                                                   f"has {part.numel()} bytes, {b - a} expected")
-                        out[a:b].copy_(part)
-                        seq += 1
-                    received[key] = out
-        finally:
-            sender.join()
-        if failure:
-            raise failure[0]
-        token = torch.ones(1, dtype=torch.uint8)
-        comm.exchange([(j, prefix + "ack/0", token) for j in others], [(j, prefix + "ack/0") for j in others],
-                      timeout_s)
+        room = allocate([(k, offers[j].objects[k]) for j, keys in to_recv.items() for k in keys])
+        move_objects(comm, prefix, [(p, objects[k]) for p, keys in to_send.items() for k in keys],
+                     [(j, k, room[k]) for j, keys in to_recv.items() for k in keys], timeout_s, "checkpoint data",
+                     pace)
+        received = {k: room[k] for keys in to_recv.values() for k in keys}
+        acknowledge(comm, prefix, timeout_s)
     except BaseException as exc:
         comm.abort(prefix, f"checkpoint step {step} failed on node rank {me}: {exc}")
         raise
