@@ -9,7 +9,11 @@ the k-th send (or recv, or either) of a tag containing X, do Y", where Y is one 
   receives from it fail once its messages are used up, and its aborts reach nobody;
 - ``drop``: a send returns but its message is lost;
 - ``delay``: the operation waits (a straggler: `seconds`), then goes on;
-- ``mark``: nothing happens; the fault's `fired` event is set, for other faults (or the test) to wait on.
+- ``mark``: nothing happens; the fault's `fired` event is set, for other faults (or the test) to wait on;
+- ``cut``: a partition: the rank is cut off from every other (processes alive) until `FaultPlan.heal()`:
+  sends across the cut are lost, receives across it fail once what arrived before is used up, its
+  aborts reach nobody until the heal (then they are told, as a transport replays its recent aborts
+  on a new link), and `wait_relinked` across it waits for the heal.
 
 Every fault can first wait `until` an event is set (another fault's `fired`, or one the test sets), so
 that an ordering a sleep could only make likely is certain: "rank 1's link drops at its first pull once
@@ -35,7 +39,7 @@ import torch
 
 from zend.core.comm import CommAborted, CommError, CommTimeout, Communicator
 
-ACTIONS = ("fail", "kill", "drop", "delay", "mark")
+ACTIONS = ("fail", "kill", "drop", "delay", "mark", "cut")
 OPS = ("send", "recv", "any")
 
 
@@ -77,6 +81,10 @@ class FaultPlan:
         self.dead: set[int] = set()
         self.ops = [0] * world_size
         self.lock = threading.Lock()
+        self.isolated: set[int] = set()  # ranks behind a cut, until heal()
+        self.healed = threading.Event()
+        self.epochs: dict[tuple[int, int], int] = {}  # (rank, peer) -> cuts between them so far: a link's epoch
+        self._deferred: list[tuple[Communicator, str, str, str]] = []  # aborts of isolated ranks, told at the heal
 
     def add(self, fault: Fault) -> Fault:
         if not 0 <= fault.rank < self.world_size:
@@ -98,6 +106,23 @@ class FaultPlan:
 
     def mark(self, rank: int, **where: object) -> Fault:
         return self.add(Fault(rank, "mark", **where))  # type: ignore[arg-type]
+
+    def cut(self, rank: int, **where: object) -> Fault:
+        return self.add(Fault(rank, "cut", **where))  # type: ignore[arg-type]
+
+    def apart(self, a: int, b: int) -> bool:
+        """Whether a cut lies between ranks a and b now."""
+        with self.lock:
+            return (a in self.isolated) != (b in self.isolated)
+
+    def heal(self) -> None:
+        """End every cut: the isolated ranks' aborts are told now, and links are up again."""
+        with self.lock:
+            self.isolated.clear()
+            deferred, self._deferred = self._deferred, []
+        for inner, prefix, reason, code in deferred:
+            inner.abort(prefix, reason, code)
+        self.healed.set()
 
     def wrap(self, inner: Communicator) -> FaultyComm:
         """`inner` (one rank's communicator) with this plan's faults on it."""
@@ -136,6 +161,12 @@ class FaultPlan:
                 raise CommError(text.format(rank=rank, peer=peer))
             elif f.action == "drop":
                 deliver = False
+            elif f.action == "cut":
+                with self.lock:
+                    self.isolated.add(rank)
+                    for other in range(self.world_size):
+                        for pair in [(rank, other), (other, rank)]:
+                            self.epochs[pair] = self.epochs.get(pair, 0) + 1
             f.fired.set()
         return deliver
 
@@ -151,7 +182,7 @@ class FaultyComm(Communicator):
         deliver = self.plan._apply(self.rank, dst, self.plan._due(self.rank, "send", tag))
         if dst in self.plan.dead:
             raise CommError(f"rank {self.rank}: rank {dst} lost")
-        if deliver:
+        if deliver and not self.plan.apart(self.rank, dst):  # across a cut, a send is lost
             self.inner.send(dst, tag, payload)
 
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
@@ -165,9 +196,25 @@ class FaultyComm(Communicator):
             except CommTimeout:
                 if src in self.plan.dead:
                     raise CommError(f"rank {self.rank}: rank {src} lost") from None
+                if self.plan.apart(self.rank, src):
+                    raise CommError(f"rank {self.rank}: the link to rank {src} is cut") from None
                 if time.monotonic() > deadline:
                     raise
 
     def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
-        if self.rank not in self.plan.dead:  # a stopped node tells nobody anything
-            self.inner.abort(prefix, reason, code)
+        if self.rank in self.plan.dead:  # a stopped node tells nobody anything
+            return
+        with self.plan.lock:
+            if self.rank in self.plan.isolated:  # behind a cut: told once it heals
+                self.plan._deferred.append((self.inner, prefix, reason, code))
+                return
+        self.inner.abort(prefix, reason, code)
+
+    def link_epoch(self, peer: int) -> int:
+        with self.plan.lock:
+            return self.plan.epochs.get((self.rank, peer), 0)
+
+    def wait_relinked(self, peer: int, timeout_s: float) -> bool:
+        if peer in self.plan.dead:
+            return False
+        return not self.plan.apart(self.rank, peer) or self.plan.healed.wait(timeout_s)

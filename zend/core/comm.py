@@ -85,6 +85,18 @@ class Communicator(ABC):
         (one node: nobody to tell) ignores it."""
         return None
 
+    def link_epoch(self, peer: int) -> int:
+        """How many links to `peer` were made so far: a change means the link dropped in between, and what
+        was in flight on it may never come. Without links (one process): 0, always."""
+        return 0
+
+    def wait_relinked(self, peer: int, timeout_s: float) -> bool:
+        """After a CommError from `peer`: wait until a link to it is up again (it reconnected: what it
+        replays on a new link, its recent aborts, comes first); True if so within timeout_s, False if it
+        cannot be (the communicator closed, the peer gone for good). Without links (one process) the
+        peer's messages are where they were: True."""
+        return True
+
     def stalled_since(self, since: float) -> float | None:
         """How long this process stood still (SIGSTOP, swap, a long pause) after monotonic time
         `since`, if long enough that peers may have declared it lost; else None."""
@@ -168,8 +180,9 @@ class Channel:
         t.bytes_sent += payload.numel()
         t.messages_sent += 1
 
-    def recv(self, src: int, phase: str, round_: int = 0) -> torch.Tensor:
-        payload = self.comm.recv(src, self._tag(phase, round_), self.timeout_s)
+    def recv(self, src: int, phase: str, round_: int = 0, timeout_s: float | None = None) -> torch.Tensor:
+        """The message of `phase` from `src`, within `timeout_s` (default: the sync's)."""
+        payload = self.comm.recv(src, self._tag(phase, round_), self.timeout_s if timeout_s is None else timeout_s)
         if self.device is not None and payload.device != self.device:
             payload = payload.to(self.device)
         t = self.traffic.phases[phase]

@@ -359,5 +359,11 @@ class _CountingCommunicator(Communicator):
     def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:
         self.inner.abort(prefix, reason, code)
 
+    def link_epoch(self, peer: int) -> int:
+        return self.inner.link_epoch(peer)
+
+    def wait_relinked(self, peer: int, timeout_s: float) -> bool:
+        return self.inner.wait_relinked(peer, timeout_s)
+
     def stalled_since(self, since: float) -> float | None:
         return self.inner.stalled_since(since)

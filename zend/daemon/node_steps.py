@@ -37,6 +37,8 @@ from zend.daemon.steps import StepKey
 from zend.protocol.layout import TensorSpec
 
 log = logging.getLogger("zend.node")
+# a peer back after a loss replays its recent aborts first thing on the new link: this long is plenty
+REPLAY_GRACE_S = 2.0
 
 
 @dataclass
@@ -144,12 +146,15 @@ class NodeSteps:
         """Return once every node holds the result and none aborted; raise (the step aborts) otherwise.
 
         Round 1: "I have it" to every node, and wait for every node's. Round 2: "I have every
-        node's", and wait for every node's, where a node lost in round 2 no longer counts (it had
-        the result: its round-1 word says so); a node that lacked a round-1 word aborts the step
-        everywhere instead. So with nodes that stop (crash, kill), the survivors all deliver or all
-        abort, wherever the stop falls."""
+        node's", and wait for every node's; a node that lacked a round-1 word aborts the step
+        everywhere instead. A node lost in round 2 had the result (its round-1 word says so), but
+        it may be alive behind a partition, having aborted: this node holds the result and does not
+        decide alone (`_hold`) until the link is back and the peer's recent aborts are replayed on
+        it. So with nodes that stop (crash, kill), the survivors all deliver or all abort, wherever
+        the stop falls, and a partition that heals within the step timeout splits nobody."""
         if self.world_size == 1:
             return
+        links = {j: self.comm.link_epoch(j) for j in self._others()}  # a link that drops from here on may lose words
         stood_still = self.comm.stalled_since(started)
         if stood_still is None:
             before = time.monotonic()
@@ -161,12 +166,41 @@ class NodeSteps:
         channel.exchange("have", [], self._others())  # every node's word, in one call
         self._all_send(channel, "all", tolerate_lost=True)
         for j in self._others():  # a lost node's word may still be here: take it, leave nothing behind
+            if self.comm.link_epoch(j) != links[j]:  # its word may have gone down with the old link
+                self._hold(channel, j, CommError(f"the link to node {j} dropped during the commit"))
+                continue
             try:
                 channel.recv(j, "all")
             except (CommAborted, CommTimeout):
                 raise
             except CommError as exc:  # lost after it said it has the result
-                log.warning("node %d lost during the commit of %s, after its vote: %s", j, channel.sync_id, exc)
+                self._hold(channel, j, exc)
+
+    def _hold(self, channel: Channel, j: int, lost: CommError) -> None:
+        """Node j was lost in round 2. It may have aborted (it lacked a round-1 word: behind a partition
+        its abort reached nobody), or delivered, or be holding as we are. Wait for a new link to it: its
+        recent aborts come first on it (CommAborted: every node aborts), else its word, else nothing
+        within REPLAY_GRACE_S (it delivered, holds, or restarted and knows nothing of the step: it had
+        the result, so we deliver). If no link comes back (the step timeout passes, or the generation
+        ends and closes the transport), a crash is the likelier story: deliver, as before holding."""
+        log.warning("node %d lost during the commit of %s, after its vote: %s; holding the result until it "
+                    "is back", j, channel.sync_id, lost)
+        deadline = time.monotonic() + (channel.timeout_s or self.timeout_s or 60.0)
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.comm.wait_relinked(j, left):
+                break
+            try:
+                channel.recv(j, "all", timeout_s=min(REPLAY_GRACE_S, max(0.01, deadline - time.monotonic())))
+                return
+            except CommAborted:
+                raise
+            except CommTimeout:
+                log.warning("node %d is back and did not abort %s: delivering", j, channel.sync_id)
+                return
+            except CommError:  # the old link, not yet marked down, or lost again: wait for the next one
+                time.sleep(0.05)
+        log.warning("node %d did not come back during the commit of %s: delivering (it had the result)", j,
+                    channel.sync_id)
 
     def _others(self) -> list[int]:
         return [j for j in range(self.world_size) if j != self.comm.rank]

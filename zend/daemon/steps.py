@@ -95,6 +95,9 @@ class StepTable:
             return step, False
 
     def finish(self, step: Step, result: Any = None, error: StepError | None = None) -> None:
+        if error is not None:  # kept as words: its frames (and its context's) hold the parts, views into
+            error.__traceback__ = error.__context__ = error.__cause__ = None  # trainers' buffers, in cycles
+            # that only the garbage collector breaks, keeping a closed session's memory until it runs
         with self._lock:
             step.result, step.error = result, error
             step.parts = {}  # drop the views into trainers' buffers

@@ -160,7 +160,8 @@ class TrainerService(pb_grpc.TrainerServicer):
         timeout_s = min(max(0.0, request.timeout_seconds), MAX_READY_WAIT_S,
                         MAX_READY_WAIT_S if left is None else left - 0.05)
         deadline = time.monotonic() + max(0.0, timeout_s)
-        while (why := self.not_whole()) is not None and time.monotonic() < deadline:
+        while (why := self.not_whole() or self.trainer_steps.vacancy(s.job)) is not None \
+                and time.monotonic() < deadline:
             await asyncio.sleep(READY_POLL_S)
         m = self.membership()
         return pb.ReadyReply(ready=why is None, generation=m.generation, node_count=m.world_size, reason=why or "",

@@ -254,8 +254,8 @@ class TrainerSteps:
     def deliver(self, ticket: Admitted) -> StepOutcome:
         """After the wait: the step's error, or its outcome written into the trainer's result buffer."""
         step = ticket.step
-        if step.error is not None:
-            raise step.error
+        if step.error is not None:  # each waiter its own copy: a shared one would gather every waiter's frames
+            raise StepError(step.error.code, step.error.message) from None
         outcome: StepOutcome = step.result
         room = outcome.placed
         if isinstance(room, ResultRoom):  # assembled in a result buffer: nothing to write if it is this one
@@ -357,6 +357,13 @@ class TrainerSteps:
             except Exception:  # the step has its error already; the caller must still get its ticket
                 log.exception("aborting step %s of tensor %r everywhere", step_no, state.spec.name)
         return step, (node if start else None)
+
+    def vacancy(self, job: str) -> str | None:
+        """Why `job` cannot step on this node until a trainer takes a place its trainer left, or None (Ready waits
+        on it: a redo before the place is taken would only be aborted again)."""
+        with self._lock:
+            why = self._vacancy(job)
+        return None if why is None else f"{why}; waiting for a trainer to take its place"
 
     def _vacancy(self, job: str) -> str | None:
         """(under _lock) Why a local rank of `job` is empty: its trainer left and no session holds it."""

@@ -164,6 +164,17 @@ class LinkTransport(Communicator):
         """Block until rank j is (re)connected, e.g. after it restarted."""
         self.links.wait_connected(j, self.timeout_s if timeout_s is None else timeout_s)
 
+    def link_epoch(self, peer: int) -> int:
+        with self._cond:
+            return self.peers[peer].connects
+
+    def wait_relinked(self, peer: int, timeout_s: float) -> bool:
+        try:
+            self.links.wait_connected(peer, timeout_s)
+        except CommError:  # not within timeout_s, or this transport closed (its generation ended)
+            return False
+        return True
+
     def link_up(self, j: int, link: Any, cipher: LinkCipher | None, first: bool) -> Exception | None:
         """(PeerLinks, under the peer's send lock) A new link's frames, then the aborts it may have missed,
         told again under the handshake's timeout (a peer that stalls here cannot hold us); liveness starts
