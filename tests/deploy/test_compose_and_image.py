@@ -34,11 +34,14 @@ def test_compose_file_validates_and_wires_daemons_trainers_prometheus_grafana():
     assert run.returncode == 0, run.stderr
     config = yaml.safe_load(run.stdout)
     services = config["services"]
-    assert {"zend-0", "zend-1", "trainer-0", "trainer-1", "prometheus", "grafana"} <= set(services)
-    peers = services["zend-0"]["environment"]["ZEND_PEERS"].split(",")
-    assert peers == [f"tcp://zend-{i}:7000" for i in range(2)]
+    assert {"zend-store", "zend-0", "zend-1", "trainer-0", "trainer-1", "prometheus", "grafana"} <= set(services)
+    assert services["zend-store"]["command"] == ["store", "--listen", "0.0.0.0:29500"]
     for i in range(2):
         daemon, trainer = services[f"zend-{i}"], services[f"trainer-{i}"]
+        env = daemon["environment"]  # elastic: a daemon container that restarts alone rejoins
+        assert (env["ZEND_ELASTIC"], env["ZEND_RENDEZVOUS"]) == ("1", "zend-store:29500"), env
+        assert env["ZEND_LISTEN"] == f"tcp://zend-{i}:7000" and "ZEND_PEERS" not in env, env
+        assert daemon["restart"] == "unless-stopped" and "zend-store" in daemon["depends_on"]
         assert daemon["environment"]["ZEND_RANK"] == str(i)
         # a trainer shares its own node's socket folder, and starts once that daemon is healthy
         assert [source(v) for v in daemon["volumes"]] == [source(v) for v in trainer["volumes"]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -235,3 +236,31 @@ def test_the_daemons_load_the_kernels_the_image_compiled_and_compile_none(
     seconds, log = kernel_run("-e", "NUMBA_CPU_NAME=generic")
     assert "[cache] data saved" in log, log[-2000:]
     figures["kernels_compiled_s"] = round(seconds, 1)
+
+
+def _status(container: str) -> dict[str, Any]:
+    return dict(json.loads(docker("exec", container, "zend", "status", "--json").stdout))
+
+
+def test_a_daemon_container_killed_alone_is_restarted_and_rejoins_while_the_other_runs_on(
+        stack: tuple[Compose, int, dict[str, Any]]) -> None:
+    """Elastic by default: zend-1's process killed -9, docker restarts that container alone (restart:
+    unless-stopped), it rejoins through `zend store`, and zend-0 moves to a new generation of both nodes
+    without restarting. Last in the file: it changes the stack's generation."""
+    compose, _, figures = stack
+    zend0, zend1 = compose.container("zend-0"), compose.container("zend-1")
+    for c in (zend0, zend1):
+        poll_for(lambda c=c: health(c) == "healthy", 120, f"{c[:12]} healthy before the kill", **RETRY)
+    started0 = docker("inspect", "-f", "{{.State.StartedAt}}", zend0).stdout.strip()
+    before = _status(zend0)["generation"]
+    pid = int(docker("inspect", "-f", "{{.State.Pid}}", zend1).stdout)
+    t = time.monotonic()
+    os.kill(pid, signal.SIGKILL)  # a crash, as docker sees it (a `docker kill` is a stop it would not undo)
+    poll_for(lambda: int(docker("inspect", "-f", "{{.RestartCount}}", zend1).stdout) >= 1, 60,
+             "docker restarting zend-1", **RETRY)
+    poll_for(lambda: health(zend1) == "healthy", 180, "zend-1 healthy again", **RETRY)
+    after = poll_for(lambda: (s := _status(zend0))["generation"] > before and s, 120,
+                     "zend-0 in a new generation", **RETRY)
+    figures["daemon_kill_to_new_generation_s"] = round(time.monotonic() - t, 1)
+    assert after["node_count"] == 2 and _status(zend1)["generation"] == after["generation"], after
+    assert docker("inspect", "-f", "{{.State.StartedAt}}", zend0).stdout.strip() == started0, "zend-0 restarted"
