@@ -215,6 +215,6 @@ class FaultyComm(Communicator):
             return self.plan.epochs.get((self.rank, peer), 0)
 
     def wait_relinked(self, peer: int, timeout_s: float) -> bool:
-        if peer in self.plan.dead:
+        if peer in self.plan.dead or self.rank in self.plan.dead:  # a killed rank's links never come back
             return False
         return not self.plan.apart(self.rank, peer) or self.plan.healed.wait(timeout_s)
