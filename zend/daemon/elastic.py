@@ -47,7 +47,6 @@ from zend.daemon.store_seal import StoreSeal, store_backend
 
 POLL_S = 0.02
 log = logging.getLogger("zend.membership")
-LOOK_EVERY_S = 1.0  # while waiting for a round's entries: how often to look whether the round is still worth it
 STORE_OP_S = 10.0  # a store operation that takes longer failed (the store is down or a key never came)
 RECONNECT_S = 2.0  # one try at reaching a store that went away
 KEEP_ALIVE_S = 1  # torch's heartbeat period (whole seconds); a member is dead after max(3, peer_timeout_s) s
@@ -199,7 +198,6 @@ class ElasticRendezvous:
         keys = [f"zen/member/{i}" for i in range(members)]
         entries: dict[int, member_entry.MemberEntry] = {}
         problems: dict[int, str] = {}
-        next_look = time.monotonic() + LOOK_EVERY_S
         while True:
             if store.check([keys[slot]]) is False or store.get(keys[slot]) != mine:
                 store.set(keys[slot], mine)
@@ -215,13 +213,6 @@ class ElasticRendezvous:
                     problems[i] = f"its entry is refused: {exc}"
             if len(entries) == members:
                 break
-            if time.monotonic() >= next_look:  # a member that died before publishing stalls nobody long
-                next_look = time.monotonic() + LOOK_EVERY_S
-                over = self._round_over(round_, members)
-                if over is not None:
-                    missing = sorted(set(range(members)) - set(entries))
-                    raise RendezvousTimeoutError(f"round {round_} at {self.where}: members {missing} published no "
-                                                 f"entry and {over}: joining the next round")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(members)) - set(entries))
                 why = "; ".join(f"member {i}: {problems.get(i, 'no entry')}" for i in missing)
@@ -246,26 +237,6 @@ class ElasticRendezvous:
         return Membership(rank=order.index(self.rank), world_size=members, peers=uris, generation=generation,
                           cluster_id=self.cluster_id, agreed=by_rank[order[0]].agreed, source=f"elastic {self.where}",
                           members=tuple(order), job_steps=steps)
-
-    def _round_over(self, round_: int, members: int) -> str | None:
-        """(under _lock, while publishing) Why the members of `round_` should not wait for its entries any
-        longer, or None: the store moved on, a daemon waits to join (a member that died and restarted), or a
-        member's heartbeats stopped (it died, or stands still, before it published)."""
-        holder = self._handler._state_holder  # torch keeps no public view of the round
-        self._with_store(holder.sync)
-        state = holder.state
-        if state.round != round_:
-            return f"the rendezvous is at round {state.round} now"
-        if state.wait_list:
-            return f"{len(state.wait_list)} daemon(s) wait to join"
-        if len(state.participants) < members:  # torch dropped them: their heartbeats stopped
-            return f"{members - len(state.participants)} member(s) left it (no heartbeat for {self.dead_after_s:g} s)"
-        now = datetime.now(UTC)
-        silent = [node for node in state.participants
-                  if (now - state.last_heartbeats.get(node, now)).total_seconds() > self.dead_after_s]
-        if silent:
-            return f"{len(silent)} member(s) sent no heartbeat for {self.dead_after_s:g} s"
-        return None
 
     def close(self) -> None:
         """Stop heartbeating; our entry expires and the others' next round goes on without us. Not under
