@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import poll_for
 from tests.subprocess_env import with_project
-from zend.cluster.local import LocalCluster
+from zend.cluster.local import LocalCluster, free_port
 from zend.protocol import paths
 from zend.protocol.health import health_status
 
@@ -67,3 +67,45 @@ def test_a_daemon_still_joining_stops_at_once_on_sigterm(tmp_path):
         assert time.monotonic() - t0 < 10
     finally:
         c.close()
+
+
+def test_a_member_that_dies_before_publishing_its_entry_stalls_the_round_for_seconds_not_the_timeout():
+    """The drill's 83 s stall: a daemon killed after torch's round completed and before it published its
+    entry; its peers waited the whole connect timeout (120 s) for the entry. Now they look at the round each
+    second and leave it once the member's heartbeats stop (or its restart waits to join), and the next round
+    forms with the restarted daemon."""
+    import threading
+
+    from zend.daemon.elastic import ElasticRendezvous, serve_store
+    from zend.daemon.membership import RendezvousTimeoutError
+
+    port = free_port()
+    stop, ready = threading.Event(), threading.Event()
+    threading.Thread(target=serve_store, args=("127.0.0.1", port, stop, ready.set), daemon=True).start()
+    assert ready.wait(30)
+
+    def member(rank: int) -> ElasticRendezvous:
+        return ElasticRendezvous("127.0.0.1", port, rank, 2, f"tcp://127.0.0.1:{7000 + rank}", cluster_id="c",
+                                 agreed={}, dead_after_s=3.0, timeout_s=60.0, secret=b"s" * 32)
+    survivor, doomed = member(0), member(1)
+    try:
+        def die_in_the_round() -> None:  # in torch's round, then dead before its entry: its heartbeats stop
+            doomed._with_store(doomed._handler.next_rendezvous)
+            doomed.close()
+        dying = threading.Thread(target=die_in_the_round, daemon=True)
+        dying.start()
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match=r"members \[1\] published no entry and"):
+            survivor.join()
+        assert time.monotonic() - t0 < 20, "waited for the dead member's entry far past its heartbeats"
+        dying.join(10)
+        restarted, joined = member(1), {}
+        again = threading.Thread(target=lambda: joined.setdefault(1, restarted.join()), daemon=True)
+        again.start()
+        joined[0] = survivor.join()
+        again.join(60)
+        assert joined[0].generation == joined[1].generation and joined[0].world_size == 2, joined
+        restarted.close()
+    finally:
+        survivor.close()
+        stop.set()

@@ -47,8 +47,12 @@ from zend.daemon.store_seal import StoreSeal, store_backend
 
 POLL_S = 0.02
 log = logging.getLogger("zend.membership")
+LOOK_EVERY_S = 1.0  # while waiting for a round's entries: how often to look whether the round is still worth it
 STORE_OP_S = 10.0  # a store operation that takes longer failed (the store is down or a key never came)
 RECONNECT_S = 2.0  # one try at reaching a store that went away
+# a round's join window is never shorter: daemons retrying with backoff (daemon.py caps it at 10 s) always
+# meet inside one window; with a window of 1 s (--connect-timeout-s 1) they would meet about one try in eight
+JOIN_WINDOW_MIN_S = 20.0
 KEEP_ALIVE_S = 1  # torch's heartbeat period (whole seconds); a member is dead after max(3, peer_timeout_s) s
 # of silence: torch skips a beat that comes a hair early, so one beat may take two periods
 
@@ -68,7 +72,7 @@ class ElasticRendezvous:
         self.dead_after_s = KEEP_ALIVE_S * max(3, math.ceil(dead_after_s / KEEP_ALIVE_S))
         self.cluster_id, self.agreed = cluster_id, with_protocol(agreed)
         self.where = f"tcpstore://{host}:{port} (elastic)"
-        self.timeout_s = timeout_s
+        self.timeout_s = max(timeout_s, JOIN_WINDOW_MIN_S)  # how long a round and its entries are waited for
         self.seal = StoreSeal(secret, cluster_id)
         self.generation_seen = 0  # the highest generation this daemon has been in
         self.round = -1  # torch's round this daemon joined last
@@ -79,8 +83,8 @@ class ElasticRendezvous:
         self._handler = DynamicRendezvousHandler.from_backend(
             f"zen-{cluster_id}", self._store, backend, self.min_nodes, world_size, local_addr=_host_of(my_uri),
             # last call: with --min-nodes, how long a round that could form waits for the rest (a slow start)
-            timeout=RendezvousTimeout(join=timedelta(seconds=timeout_s), last_call=timedelta(seconds=self.dead_after_s),
-                                      close=timedelta(seconds=10)),
+            timeout=RendezvousTimeout(join=timedelta(seconds=self.timeout_s),
+                                      last_call=timedelta(seconds=self.dead_after_s), close=timedelta(seconds=10)),
             keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=round(self.dead_after_s / KEEP_ALIVE_S))
         self._lock = threading.Lock()  # the handler is not meant for two threads at once
 
@@ -198,6 +202,7 @@ class ElasticRendezvous:
         keys = [f"zen/member/{i}" for i in range(members)]
         entries: dict[int, member_entry.MemberEntry] = {}
         problems: dict[int, str] = {}
+        next_look = time.monotonic() + LOOK_EVERY_S
         while True:
             if store.check([keys[slot]]) is False or store.get(keys[slot]) != mine:
                 store.set(keys[slot], mine)
@@ -213,6 +218,13 @@ class ElasticRendezvous:
                     problems[i] = f"its entry is refused: {exc}"
             if len(entries) == members:
                 break
+            if time.monotonic() >= next_look:  # a member that died before publishing stalls nobody long
+                next_look = time.monotonic() + LOOK_EVERY_S
+                over = self._round_over(round_, members)
+                if over is not None:
+                    missing = sorted(set(range(members)) - set(entries))
+                    raise RendezvousTimeoutError(f"round {round_} at {self.where}: members {missing} published no "
+                                                 f"entry and {over}: joining the next round")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(members)) - set(entries))
                 why = "; ".join(f"member {i}: {problems.get(i, 'no entry')}" for i in missing)
@@ -237,6 +249,26 @@ class ElasticRendezvous:
         return Membership(rank=order.index(self.rank), world_size=members, peers=uris, generation=generation,
                           cluster_id=self.cluster_id, agreed=by_rank[order[0]].agreed, source=f"elastic {self.where}",
                           members=tuple(order), job_steps=steps)
+
+    def _round_over(self, round_: int, members: int) -> str | None:
+        """(under _lock, while publishing) Why the members of `round_` should not wait for its entries any
+        longer, or None: the store moved on, a daemon waits to join (a member that died and restarted), or a
+        member's heartbeats stopped (it died, or stands still, before it published)."""
+        holder = self._handler._state_holder  # torch keeps no public view of the round
+        self._with_store(holder.sync)
+        state = holder.state
+        if state.round != round_:
+            return f"the rendezvous is at round {state.round} now"
+        if state.wait_list:
+            return f"{len(state.wait_list)} daemon(s) wait to join"
+        if len(state.participants) < members:  # torch dropped them: their heartbeats stopped
+            return f"{members - len(state.participants)} member(s) left it (no heartbeat for {self.dead_after_s:g} s)"
+        now = datetime.now(UTC)
+        silent = [node for node in state.participants
+                  if (now - state.last_heartbeats.get(node, now)).total_seconds() > self.dead_after_s]
+        if silent:
+            return f"{len(silent)} member(s) sent no heartbeat for {self.dead_after_s:g} s"
+        return None
 
     def close(self) -> None:
         """Stop heartbeating; our entry expires and the others' next round goes on without us. Not under
