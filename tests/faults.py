@@ -210,6 +210,9 @@ class FaultyComm(Communicator):
                 return
         self.inner.abort(prefix, reason, code)
 
+    def holds(self, src: int, prefix: str) -> bool:
+        return self.inner.holds(src, prefix)
+
     def link_epoch(self, peer: int) -> int:
         with self.plan.lock:
             return self.plan.epochs.get((self.rank, peer), 0)

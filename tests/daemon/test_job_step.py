@@ -45,3 +45,54 @@ def test_a_trainer_joining_a_running_generation_is_told_the_step_the_job_reached
     finally:
         for z in trainers:
             z.close()
+
+
+def test_after_every_daemon_restarted_a_trainer_a_step_behind_is_told_where_the_job_is(fresh_cluster):
+    """The drill's deadlock: node 0's trainer lost step 7's result (killed just after it was delivered),
+    then both daemons were killed -9 and restarted: no daemon remembers where the job is, node 0's trainer
+    comes back at step 7 and node 1's at step 8. Before, each waited for the other at its own step until
+    the step timeout, again after every redo, for ever. Now node 0 fails its step at once saying where the
+    job is; its trainer, as the README's loop does (StepAborted: wait_ready; OutOfOrder: resume at
+    job_step), resumes at step 8, and the step runs once on both nodes with the right sum."""
+    import time
+
+    c = fresh_cluster(2, elastic=True, extra=EXTRA)
+    trainers = [client(c, n) for n in range(2)]
+    try:
+        for step in range(8):
+            run_all([lambda z=z, n=n, s=step: z.allreduce(grad(s, n), name="emb", step=s)
+                     for n, z in enumerate(trainers)])
+        for z in trainers:
+            z.close()
+        for node in range(2):
+            c.kill(node)
+        for node in range(2):
+            c.start_node(node)
+        for node in range(2):
+            c.wait_ready(node, 120)
+        trainers = [client(c, n) for n in range(2)]
+        assert [z.job_step for z in trainers] == [0, 0]  # nobody remembers
+
+        def behind() -> tuple[torch.Tensor, list[str]]:
+            seen = []
+            try:
+                trainers[0].allreduce(grad(7, 0), name="emb", step=7)
+            except zen.StepAborted as exc:
+                seen.append(f"aborted: {exc}")
+            try:
+                trainers[0].wait_ready(60)
+            except zen.OutOfOrder as exc:
+                seen.append(f"out of order at {trainers[0].job_step}: {exc}")
+            step = trainers[0].job_step
+            return trainers[0].allreduce(grad(step, 0), name="emb", step=step), seen
+
+        t0 = time.monotonic()
+        (out0, seen), out1 = run_all([behind, lambda: trainers[1].allreduce(grad(8, 1), name="emb", step=8)])
+        took = time.monotonic() - t0
+        assert len(seen) == 2 and "node 1 is at step 8" in seen[0] and seen[1].startswith("out of order at 8"), seen
+        for out in (out0, out1):
+            torch.testing.assert_close(out.to_dense(), expected(8))
+        assert took < 30, f"{took:.1f} s: the nodes waited on each other (the step timeout is 120 s)"
+    finally:
+        for z in trainers:
+            z.close()

@@ -381,3 +381,39 @@ def test_nodes_that_lose_each_other_after_every_round_1_word_hold_then_all_deliv
         assert isinstance(got, SparseGrad), (r, got)
         assert_close_to(got.to_dense(), full, torch.float32, 3)
     assert not redo and cluster.mailbox_messages() == 0
+
+
+def test_a_node_a_step_behind_at_a_tensors_first_step_learns_where_the_job_is_and_they_meet() -> None:
+    """The drill's other deadlock: every daemon restarted (nothing remembers where the job is), node 0's
+    trainers come back at step 5 (they lost its result) and node 1's at step 6. Before, each waited for
+    the other's step-5 (step-6) word until the step timeout, and again after every redo. Now node 0 sees
+    node 1's step-6 word waiting and fails its step at once, saying the job is at step 6; node 1 waits on,
+    and the step runs once node 0's trainers resume there."""
+    cluster = InProcessCluster(2)
+    spec = TensorSpec(JOB, "emb", (60, 3), "float32", "sparse_rows", False)
+    nodes = [Node(cluster.communicator(r), "zen", timeout_s=30.0) for r in range(2)]
+    learned: dict[str, int] = {}
+    nodes[0].trainer_steps.learn_job_step = learned.__setitem__
+    sessions = [n.trainer(0, 1) for n in nodes]
+    ahead: dict[str, object] = {}
+
+    def node_1_at_step_6() -> None:
+        try:
+            ahead["out"] = nodes[1].submit(sessions[1], spec, grad_of(1, 6, rows=60, dim=3), 6)
+        except StepError as exc:
+            ahead["out"] = exc
+
+    waiting = threading.Thread(target=node_1_at_step_6)
+    waiting.start()
+    t0 = time.monotonic()
+    with pytest.raises(StepError, match=r"node 1 is at step 6 of tensor 'emb'.*the job is at step 6") as behind:
+        nodes[0].submit(sessions[0], spec, grad_of(0, 5, rows=60, dim=3), 5)
+    assert behind.value.code == codes.ABORTED and time.monotonic() - t0 < 5
+    assert learned == {JOB: 6} and waiting.is_alive()  # node 1 waits on
+    got = nodes[0].submit(sessions[0], spec, grad_of(0, 6, rows=60, dim=3), 6)  # node 0's trainer resumed
+    waiting.join(30)
+    full = reference_sum([grad_of(r, 6, rows=60, dim=3) for r in range(2)])
+    for out in (got, ahead["out"]):
+        assert isinstance(out, SparseGrad), out
+        assert_close_to(out.to_dense(), full, torch.float32, 2)
+    assert cluster.mailbox_messages() == 0

@@ -77,6 +77,19 @@ def test_tags_keep_messages_apart(mesh8):
 
 
 @pytest.mark.daemon
+def test_a_waiting_message_is_seen_by_its_tag_prefix_without_taking_it(mesh8):
+    a, b = mesh8[4], mesh8[5]
+    assert a.call("holds", src=5, prefix="job/3/8/")["holds"] is False
+    b.call("send", dst=4, tag="job/3/8/0/agree/0", seeds=[3], size=8)
+    poll_for(lambda: a.call("holds", src=5, prefix="job/3/8/")["holds"], 10, "the message to arrive")
+    for other in ("job/3/80/", "job/3/7/", "job/4/8/", "job/3/8/1/"):  # a prefix, not a substring
+        assert a.call("holds", src=5, prefix=other)["holds"] is False, other
+    assert b.call("holds", src=4, prefix="job/3/8/")["holds"] is False  # only what came from src
+    assert a.call("recv", src=5, tag="job/3/8/0/agree/0", seeds=[3], size=8)["intact"] == [True]  # still there
+    assert a.call("holds", src=5, prefix="job/3/8/")["holds"] is False
+
+
+@pytest.mark.daemon
 def test_recv_times_out_naming_the_peer(mesh8):
     with pytest.raises(RemoteError, match=r"CommTimeout: .*no message from rank 7 \(tag 'never'\) within 0.5 s"):
         mesh8[6].call("recv", src=7, tag="never", seeds=[0], size=1, timeout_s=0.5)

@@ -13,6 +13,7 @@ a blocked send (backpressure) does not stop a later receive. Commands ("op"):
             check each against the payload its seed makes -> {intact: [...], numel: [...]}
   echo      {peer, count}                      receive ping/i from peer, send it back as pong/i
   buffered  {src}                              bytes from src received and not yet claimed
+  holds     {src, prefix}                      whether a message from src under prefix waits (none taken)
   pool      {}                                 the receive-buffer pool's counters
   accepting {}                                 why the listener cannot accept now (null: it can)
   redial    {peer, host, port, timeout_s}      a restarted peer's new address; wait until linked
@@ -99,6 +100,9 @@ class Worker:
 
     def buffered(self, src: int) -> dict:
         return {"bytes": self.t.buffered_from(src)}
+
+    def holds(self, src: int, prefix: str) -> dict:
+        return {"holds": self.t.holds(src, prefix)}
 
     def links(self) -> dict:
         return {"up": {str(j): p.link is not None for j, p in self.t.peers.items()},

@@ -102,6 +102,11 @@ class Communicator(ABC):
         `since`, if long enough that peers may have declared it lost; else None."""
         return None
 
+    def holds(self, src: int, prefix: str) -> bool:
+        """Whether a message from `src` under tag `prefix` has arrived and waits to be taken (nothing is
+        taken). A peer's message for a later step says where it is. Where that cannot be seen: False."""
+        return False
+
 
 def barrier(comm: Communicator, tag: str, timeout_s: float | None = None) -> None:
     """Every rank waits for every other (a tiny all-to-all): lines ranks up before a timed step."""

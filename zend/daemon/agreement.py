@@ -10,7 +10,7 @@ the same way, so every rank raises the same error, naming the field, the rank an
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -50,10 +50,12 @@ def disagreements(values_by_rank: Mapping[int, Mapping[str, object]], noun: str 
     return "; ".join(found[:MAX_LISTED]) + more
 
 
-def agree(ch: Channel, spec: TensorSpec, local_world_size: int) -> None:
+def agree(ch: Channel, spec: TensorSpec, local_world_size: int,
+          await_peer: Callable[[int], torch.Tensor] | None = None) -> None:
     """Every node sends every other its description of the tensor; any difference fails on every node.
 
     Each node compares the same n descriptions the same way, so all raise the same error.
+    `await_peer(j)` receives node j's (default: `ch.recv(j, "agree")`).
     """
     ours = {**spec.describe(), "local_world_size": local_world_size}
     blob = torch.frombuffer(bytearray(json.dumps(ours, sort_keys=True).encode()), dtype=torch.uint8)
@@ -63,7 +65,7 @@ def agree(ch: Channel, spec: TensorSpec, local_world_size: int) -> None:
     everyone: dict[int, dict[str, object]] = {ch.rank: ours}
     for j in range(ch.world_size):
         if j != ch.rank:
-            raw = ch.recv(j, "agree")
+            raw = ch.recv(j, "agree") if await_peer is None else await_peer(j)
             try:
                 described = json.loads(bytes(raw.numpy()))
             except ValueError:

@@ -103,7 +103,8 @@ class Daemon:
                                     max_connections_per_pid=s.max_buffer_connections_per_pid)
         self.node_state = NodeStateHolder(self._set_serving)  # the one home of joining/serving/changing/draining
         self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s,
-                                          s.max_submits_in_flight_per_job, lambda: self.node_state.state)
+                                          s.max_submits_in_flight_per_job, lambda: self.node_state.state,
+                                          lambda job, step: self._learn_job_steps({job: step}))
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""

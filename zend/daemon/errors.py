@@ -18,7 +18,8 @@ INTERNAL = "INTERNAL"
 class StepError(Exception):
     """A request or a step that failed; `code` is the gRPC status every affected trainer gets."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, job_step: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.job_step = job_step  # where the job is, when this node learned it is behind (a restart)

@@ -367,3 +367,6 @@ class _CountingCommunicator(Communicator):
 
     def stalled_since(self, since: float) -> float | None:
         return self.inner.stalled_since(since)
+
+    def holds(self, src: int, prefix: str) -> bool:
+        return self.inner.holds(src, prefix)

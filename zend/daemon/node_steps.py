@@ -39,6 +39,8 @@ from zend.protocol.layout import TensorSpec
 log = logging.getLogger("zend.node")
 # a peer back after a loss replays its recent aborts first thing on the new link: this long is plenty
 REPLAY_GRACE_S = 2.0
+# waiting for a peer's first word on a tensor in a generation: how often to look whether it is a step ahead
+AHEAD_POLL_S = 0.25
 
 
 @dataclass
@@ -122,7 +124,9 @@ class NodeSteps:
                 phases["local_sum"] = time.perf_counter() - t
                 if not state.agreed:
                     t = time.perf_counter()
-                    agree(Channel(self.comm, sync_id, self.timeout_s), spec, state.local_world_size)
+                    channel = Channel(self.comm, sync_id, self.timeout_s)
+                    agree(channel, spec, state.local_world_size,
+                          lambda j: self._await_description(channel, key, spec.name, j))
                     phases["agree"] = time.perf_counter() - t
                 t = time.perf_counter()
                 given: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -141,6 +145,32 @@ class NodeSteps:
             state.agreed = True
             phases["commit"] = time.perf_counter() - t
         return outcome
+
+    def _await_description(self, channel: Channel, key: StepKey, name: str, j: int) -> torch.Tensor:
+        """Node j's description of the tensor (a tensor's first step in a generation), looking while it does
+        not come whether j is a step ahead: its message for the next step waits here.
+
+        When every daemon restarted, nothing remembers where the job is but the trainers, and a node whose
+        trainers lost the last step's result (a trainer, or its daemon, killed just after the step was
+        delivered) comes back a step behind the others: the two would wait on each other, step timeout after
+        step timeout. The node behind fails the step, saying where the job is (its trainers learn it from
+        wait_ready: OutOfOrder, resume there); the node ahead waits on, and the step runs once they meet."""
+        timeout_s = channel.timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        ahead = f"{job_key(key.job)}/{key.tensor_id}/{key.step + 1}/"
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return channel.recv(j, "agree", timeout_s=max(0.001, min(AHEAD_POLL_S, left)))
+            except CommTimeout:
+                if left <= AHEAD_POLL_S:
+                    raise CommTimeout(f"rank {self.comm.rank}: no message from rank {j} (tag "
+                                      f"{channel.sync_id}/agree/0) within {timeout_s:g} s") from None
+            if self.comm.holds(j, ahead):
+                raise StepError(codes.ABORTED, f"node {j} is at step {key.step + 1} of tensor {name!r}: step "
+                                               f"{key.step} finished on every node while this node's trainers or "
+                                               f"daemon restarted, and its result is lost here; the job is at step "
+                                               f"{key.step + 1}", job_step=key.step + 1)
 
     def commit(self, channel: Channel, started: float) -> None:
         """Return once every node holds the result and none aborted; raise (the step aborts) otherwise.

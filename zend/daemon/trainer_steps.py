@@ -101,13 +101,15 @@ class TrainerSteps:
     node's step runner."""
 
     def __init__(self, registry: JobRegistry, buffers: BufferLookup, metrics: DaemonMetrics, step_timeout_s: float,
-                 max_submits_in_flight_per_job: int = 1024, state: Callable[[], NodeState] = lambda: SERVING):
+                 max_submits_in_flight_per_job: int = 1024, state: Callable[[], NodeState] = lambda: SERVING,
+                 learn_job_step: Callable[[str, int], None] = lambda job, step: None):
         self.registry, self.buffers, self.metrics = registry, buffers, metrics
         self.step_timeout_s = step_timeout_s
         self.max_submits_in_flight_per_job = max_submits_in_flight_per_job
         self._in_flight_by_job: dict[str, int] = {}  # job -> its submissions admitted and not yet released
         self.table = StepTable()
         self.state = state
+        self.learn_job_step = learn_job_step  # a step failed because this node is behind: where the job is
         self._node: NodeSteps | None = None
         self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
         self._gone: dict[tuple[str, int], str] = {}  # (job, local rank) -> why its trainer left, until replaced
@@ -428,6 +430,8 @@ class TrainerSteps:
                                 f"{type(exc).__name__}: {exc}")
             if not isinstance(exc, StepError):
                 log.exception("step %s of tensor %r failed", key.step, state.spec.name)
+            if err.job_step is not None:  # before the error is out: the trainers' wait_ready must see it
+                self.learn_job_step(key.job, err.job_step)
             self.metrics.count_error(err.code)
             log.warning("step failed", extra={"event": "step_failed", "job": key.job, "tensor": state.spec.name,
                                               "step": key.step, "code": err.code, "error": err.message})

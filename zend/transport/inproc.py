@@ -97,6 +97,12 @@ class InProcessCluster:
                 del self._boxes[key]  # tags are used once: keep the table small
         return payload
 
+    def holds(self, src: int, dst: int, prefix: str) -> bool:
+        """Whether a message from `src` to `dst` under tag `prefix` waits to be fetched."""
+        with self._lock:
+            return any(key[0] == src and key[1] == dst and key[2].startswith(prefix) and not box.empty()
+                       for key, box in self._boxes.items())
+
     def communicator(self, rank: int) -> InProcessCommunicator:
         return InProcessCommunicator(self, rank)
 
@@ -157,3 +163,6 @@ class InProcessCommunicator(Communicator):
         except queue.Empty:
             raise CommTimeout(
                 f"rank {self.rank}: no message from rank {src} (tag {tag!r}) within {timeout_s} s") from None
+
+    def holds(self, src: int, prefix: str) -> bool:
+        return self.cluster.holds(src, self.rank, prefix)

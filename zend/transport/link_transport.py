@@ -343,6 +343,9 @@ class LinkTransport(Communicator):
                 self.links.fail(dst, link, f"failed while sending: {exc}")
                 raise CommError(f"rank {self.rank}: send to {peer.error}") from None
 
+    def holds(self, src: int, prefix: str) -> bool:
+        return self.mailboxes.holds(src, prefix)
+
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
         if src not in self.peers:
             raise CommError(f"rank {self.rank}: invalid peer {src} (world size {self.world_size})")

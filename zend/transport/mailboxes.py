@@ -54,6 +54,11 @@ class Mailboxes:
         with self._cond:
             return self._buffered.get(src, 0) if src is not None else sum(self._buffered.values())
 
+    def holds(self, src: int, prefix: str) -> bool:
+        """Whether a message from `src` with a tag under `prefix` waits to be taken."""
+        with self._cond:
+            return any(s == src and tag.startswith(prefix) for s, tag in self._boxes)
+
     # ------------------------------------------------------------------ taking
     def take(self, src: int, tag: str, wait_s: float, gone: Callable[[], str | None], closed: Callable[[], bool],
              link_state: Callable[[], str], rank: int) -> torch.Tensor:

@@ -201,6 +201,7 @@ class Aborted(EngineError):
           },
           py::arg("timeout_s"))
       .def("stalled_since", &Engine::stalled_since, py::arg("since_monotonic"))
+      .def("holds", &Engine::holds, py::arg("peer"), py::arg("prefix"))
       .def("set_admission", &Engine::set_admission, py::arg("enabled"), py::arg("step_window"),
            py::arg("max_agreement_bytes"))
       .def("set_last_step", &Engine::set_last_step, py::arg("job_key"), py::arg("tensor"), py::arg("last_step"))

@@ -416,6 +416,12 @@ bool Engine::abort(const std::string& prefix, const std::string& code, const std
 
 // ---------------------------------------------------------------------------- receiving
 
+bool Engine::holds(int peer, const std::string& prefix) {
+  check_peer(peer);
+  std::lock_guard<std::mutex> lk(mu_);
+  return boxes_.holds(peer, prefix);
+}
+
 MessagePtr Engine::recv(int peer, const std::string& tag, double timeout_s) {
   return recv_until(peer, tag, timeout_s, monotonic_now() + timeout_s);
 }

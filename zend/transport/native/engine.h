@@ -124,6 +124,7 @@ class Engine {
   void detach(int peer, const std::string& reason);
   void send(int peer, const std::string& tag, const uint8_t* data, uint64_t size);
   MessagePtr recv(int peer, const std::string& tag, double timeout_s);
+  bool holds(int peer, const std::string& prefix);  // a message under prefix from peer waits (nothing taken)
   MessagePtr recv_until(int peer, const std::string& tag, double timeout_s, double deadline);
   bool abort(const std::string& prefix, const std::string& code, const std::string& reason);
   std::optional<AbortInfo> voided(const std::string& tag);

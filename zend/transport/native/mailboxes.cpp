@@ -22,6 +22,12 @@ MessagePtr Mailboxes::take(int src, const std::string& tag) {
   return msg;
 }
 
+bool Mailboxes::holds(int src, const std::string& prefix) const {
+  // boxes are ordered by (source, tag) and erased once empty: the first at or after (src, prefix) decides
+  auto it = boxes_.lower_bound({src, prefix});
+  return it != boxes_.end() && it->first.first == src && it->first.second.compare(0, prefix.size(), prefix) == 0;
+}
+
 bool Mailboxes::must_wait(int src, uint64_t size, uint64_t max_buffered) const {
   uint64_t held = buffered_[static_cast<size_t>(src)];
   return held != 0 && held + size > max_buffered;

@@ -42,6 +42,8 @@ class Mailboxes {
   bool deliver(int src, const std::string& tag, MessagePtr msg);
   // The next message of (src, tag), or null.
   MessagePtr take(int src, const std::string& tag);
+  // Whether a message from src with a tag under `prefix` waits to be taken (a peer's later step).
+  bool holds(int src, const std::string& prefix) const;
   // Whether a message of `size` bytes from src must wait for room (backpressure).
   bool must_wait(int src, uint64_t size, uint64_t max_buffered) const;
   uint64_t buffered(int src) const;  // -1: every source
