@@ -417,3 +417,46 @@ def test_a_node_a_step_behind_at_a_tensors_first_step_learns_where_the_job_is_an
         assert isinstance(out, SparseGrad), out
         assert_close_to(out.to_dense(), full, torch.float32, 2)
     assert cluster.mailbox_messages() == 0
+
+
+@pytest.mark.parametrize("first", ["ahead", "behind"])
+def test_a_trainer_a_step_behind_its_nodes_others_learns_where_the_job_is(first: str) -> None:
+    """After every daemon restarted, a trainer restarted too is told step 0 (nobody remembers) while the
+    other trainer of its node waits at step 6. Before, the two steps waited for each other until the step
+    timeout (or the later one was refused as out of order). Now whichever comes second, the trainer behind
+    gets ABORTED saying the job is at step 6 (learned by the node: Ready's job_step), a trainer that opens
+    a session meanwhile is told step 6, and once it resumes there the step runs with both parts."""
+    cluster = InProcessCluster(2)
+    spec = TensorSpec(JOB, "emb", (60, 3), "float32", "sparse_rows", False)
+    nodes = [Node(cluster.communicator(r), "zen", timeout_s=30.0) for r in range(2)]
+    learned: dict[str, int] = {}
+    nodes[0].trainer_steps.learn_job_step = learned.__setitem__
+    sessions = [[n.trainer(t, 2) for t in range(2)] for n in nodes]
+    outs: dict[tuple[int, int], object] = {}
+
+    def submit(r: int, t: int, step: int) -> None:
+        try:
+            outs[(r, t)] = nodes[r].submit(sessions[r][t], spec, grad_of(2 * r + t, step, rows=60, dim=3), step)
+        except StepError as exc:
+            outs[(r, t)] = exc
+
+    others = [threading.Thread(target=submit, args=(1, t, 6)) for t in range(2)]  # node 1: both at step 6
+    for th in others:
+        th.start()
+    ahead = threading.Thread(target=submit, args=(0, 1, 6))
+    behind = threading.Thread(target=submit, args=(0, 0, 0))
+    for th in ([ahead, behind] if first == "ahead" else [behind, ahead]):
+        th.start()
+        poll_for(lambda: nodes[0].trainer_steps.in_flight() or (0, 0) in outs, 10, "the step to open")
+    behind.join(10)
+    err = outs[(0, 0)]
+    assert isinstance(err, StepError) and err.code == codes.ABORTED and "the job is at step 6" in err.message, err
+    assert learned == {JOB: 6} and nodes[0].trainer_steps.highest_open_step(JOB) == 6
+    submit(0, 0, 6)  # the trainer behind resumes where the job is
+    for th in [ahead, *others]:
+        th.join(30)
+    full = reference_sum([grad_of(i, 6, rows=60, dim=3) for i in range(4)])
+    for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        assert isinstance(outs[key], SparseGrad), (key, outs[key])
+        assert_close_to(outs[key].to_dense(), full, torch.float32, 4)  # type: ignore[union-attr]
+    assert cluster.mailbox_messages() == 0

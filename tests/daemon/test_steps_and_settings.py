@@ -41,8 +41,14 @@ def test_past_and_out_of_order_steps_are_refused_with_the_step_numbers():
         table.join(StepKey("j", 1, 3), 0, "s", "p", expected=1)
     assert err.value.code == codes.FAILED_PRECONDITION
     table.join(StepKey("j", 1, 9), 0, "s", "p", expected=2)
-    with pytest.raises(StepError, match=r"step 8 .* after step 9"):
+    with pytest.raises(StepError, match=r"step 8 .* after step 9") as err:  # the same trainer going back
+        table.join(StepKey("j", 1, 8), 0, "s", "p", expected=2)
+    assert err.value.code == codes.FAILED_PRECONDITION
+    # another trainer of the node, behind the one at step 9 (restarted: it lost step 8's result)
+    with pytest.raises(StepError, match=r"local rank\(s\) \[0\] of this node are at step 9 .* the job is at step 9"
+                       ) as err:
         table.join(StepKey("j", 1, 8), 1, "s2", "p", expected=2)
+    assert err.value.code == codes.ABORTED and err.value.job_step == 9
 
 
 def test_a_departed_trainer_fails_the_unstarted_steps_of_its_job_only():

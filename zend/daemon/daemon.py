@@ -388,9 +388,11 @@ class Daemon:
                 self.job_steps[job] = step
 
     def job_step(self, job: str) -> int:
-        """The step `job` is at, as far as this node knows: what its generation agreed on, or what its
-        tensors have reached here since (a trainer that joins a running generation resumes there)."""
-        return max(self.job_steps.get(job, 0), self.registry.job_steps().get(job, 0))
+        """The step `job` is at, as far as this node knows: what its generation agreed on, what its
+        tensors have reached here since, or a step its other trainers here wait in (a trainer that joins a
+        running generation resumes there, also after every daemon restarted)."""
+        return max(self.job_steps.get(job, 0), self.registry.job_steps().get(job, 0),
+                   self.trainer_steps.highest_open_step(job))
 
     def still_changing(self, why: str) -> None:
         self.node_state.apply(changing(why))

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zend.daemon.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, StepError
+from zend.daemon.errors import ABORTED, FAILED_PRECONDITION, INVALID_ARGUMENT, StepError
 
 MAX_STEP = 2**62  # step numbers are counters: anything near 2**63 is a bug or an attack
 STEP_WINDOW = 1 << 20  # how far past a tensor's last synchronised step a submission may jump
@@ -78,6 +78,12 @@ class StepTable:
             if step is None:
                 for other in self._open.values():
                     if (other.key.job, other.key.tensor_id) == (key.job, key.tensor_id) and other.key.step > key.step:
+                        if local_rank not in other.parts:  # other trainers of this node got step key.step's
+                            raise StepError(ABORTED, f"local rank(s) {sorted(other.parts)} of this node are at "
+                                                     f"step {other.key.step} of tensor {key.tensor_id}: step "
+                                                     f"{key.step} finished while this trainer restarted, and "
+                                                     f"its result is lost here; the job is at step "
+                                                     f"{other.key.step}", job_step=other.key.step)
                         raise StepError(FAILED_PRECONDITION,
                                         f"step {key.step} of tensor {key.tensor_id} arrived after step "
                                         f"{other.key.step} opened; steps of a tensor must come in order")
@@ -156,6 +162,18 @@ class StepTable:
             self._last.clear()
             self._attempts.clear()
             self._open.clear()  # steps still running (past the wait) finish on their own, out of the table
+
+    def overtaken(self, key: StepKey) -> list[Step]:
+        """The tensor's earlier steps still waiting for trainers, now that one of them submitted `key`: the
+        others' parts can never come (a trainer behind them, restarted, lost a result they got)."""
+        with self._lock:
+            return [s for s in self._open.values() if (s.key.job, s.key.tensor_id) == (key.job, key.tensor_id)
+                    and s.key.step < key.step and not s.started]
+
+    def highest_open(self, job: str) -> int | None:
+        """The highest step of `job` a trainer of this node has submitted and that has not ended."""
+        with self._lock:
+            return max((s.key.step for s in self._open.values() if s.key.job == job), default=None)
 
     def in_flight(self) -> int:
         with self._lock:

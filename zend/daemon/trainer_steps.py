@@ -344,8 +344,16 @@ class TrainerSteps:
                                                           f"tensor {state.spec.name!r} is refused")
             node = self._node
             assert node is not None  # check_accepting refused the step otherwise
-            step, start = self.table.join(key, session.local_rank, session.session_id, part,
-                                          state.local_world_size)
+            try:
+                step, start = self.table.join(key, session.local_rank, session.session_id, part,
+                                              state.local_world_size)
+            except StepError as exc:
+                if exc.job_step is not None:  # this trainer is behind its node's others: where the job is
+                    self.learn_job_step(session.job, exc.job_step)
+                raise
+            overtaken = self.table.overtaken(key)
+            if overtaken:
+                self.learn_job_step(session.job, step_no)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
             self._in_flight_by_job[session.job] = held + 1
             vacant = None if start or step.done.is_set() else self._vacancy(session.job)
@@ -358,7 +366,18 @@ class TrainerSteps:
                 self._abort_everywhere(step, err)
             except Exception:  # the step has its error already; the caller must still get its ticket
                 log.exception("aborting step %s of tensor %r everywhere", step_no, state.spec.name)
+        for earlier in overtaken:  # its trainers are behind this one (restarted, a result lost): tell them
+            behind = StepError(codes.ABORTED, f"step {earlier.key.step} of tensor {state.spec.name!r} aborted: "
+                                              f"local rank {session.local_rank} of this node is at step {step_no}; "
+                                              f"the job is at step {step_no}", job_step=step_no)
+            self.table.finish(earlier, error=behind)
+            with contextlib.suppress(Exception):  # the step has its error; the others must still hear of it
+                self._abort_everywhere(earlier, behind)
         return step, (node if start else None)
+
+    def highest_open_step(self, job: str) -> int:
+        """The highest step of `job` that a trainer of this node submitted and that has not ended (0: none)."""
+        return self.table.highest_open(job) or 0
 
     def vacancy(self, job: str) -> str | None:
         """Why `job` cannot step on this node until a trainer takes a place its trainer left, or None (Ready waits
