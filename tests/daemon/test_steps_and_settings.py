@@ -399,3 +399,13 @@ def test_rank_auto_takes_the_rendezvous_and_nothing_else() -> None:
                  "elastic": 1}, env={})
     with pytest.raises(SettingsError, match="rank='x'"):
         resolve({"rank": "x"}, env={})
+
+
+def test_an_etcd_rendezvous_is_elastic_and_names_a_member_that_is_not_host_port() -> None:
+    given = {"rank": 1, "world_size": 3, "listen": "tcp://10.0.0.2:7000"}
+    s = resolve({**given, "rendezvous": "etcd://10.0.0.7:2379,10.0.0.8:2379,[fd00::9]:2379", "elastic": 1}, env={})
+    assert s.rendezvous.startswith("etcd://") and s.elastic == 1
+    with pytest.raises(SettingsError, match="an etcd cluster holds elastic rounds only: add --elastic 1"):
+        resolve({**given, "rendezvous": "etcd://10.0.0.7:2379"}, env={})
+    with pytest.raises(SettingsError, match=r"'10.0.0.8' is not HOST:PORT of an etcd member"):
+        resolve({**given, "rendezvous": "etcd://10.0.0.7:2379,10.0.0.8", "elastic": 1}, env={})

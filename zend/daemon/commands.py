@@ -23,8 +23,10 @@ HELP = {
             "others take 1, 2, ... as they arrive: no static node rank needed, e.g. under torchrun's c10d "
             "rendezvous)", "world_size": "number of nodes",
     "peers": "comma-separated data-plane URIs of every node, in rank order (tcp://HOST:PORT or ucx://HOST:PORT)",
-    "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it), or 'env': the node's rank from GROUP_RANK "
-                  "(torchrun), NODE_RANK, PET_NODE_RANK (Kubeflow) or JOB_COMPLETION_INDEX (Indexed Job / JobSet), "
+    "rendezvous": "HOST:PORT of torch's TCPStore (rank 0 hosts it; with --elastic 1 a `zend store`), "
+                  "etcd://HOST:PORT,HOST:PORT,... of an etcd cluster (--elastic 1; v2 API), or 'env': the node's "
+                  "rank from GROUP_RANK (torchrun), NODE_RANK, PET_NODE_RANK (Kubeflow) or JOB_COMPLETION_INDEX "
+                  "(Indexed Job / JobSet), "
                   "the node count from GROUP_WORLD_SIZE, NNODES or PET_NNODES, the host from MASTER_ADDR, the port "
                   "from ZEN_RENDEZVOUS_PORT (default 7001, not MASTER_PORT); ZEN_NODE_RANK, ZEN_NUM_NODES and "
                   "ZEN_RENDEZVOUS_ADDR override",

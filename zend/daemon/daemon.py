@@ -233,16 +233,16 @@ class Daemon:
                               m.cluster_id)
         self.metrics.membership_changed.set(self.last_change[1])
 
-    def _join_elastic(self, host: str, port: int, rank: int, world_size: int) -> Membership:
+    def _join_elastic(self, address: str, rank: int, world_size: int) -> Membership:
         """The first generation (--elastic 1): a store that does not answer, or a round that fails or times
         out (a member frozen while it formed), is tried again, with backoff and jitter, until it forms or
         the daemon is told to stop (Stopping); the node says why it is still joining in health and status."""
         s, backoff = self.settings, Backoff(first_s=1.0, cap_s=10.0)
-        where = f"tcpstore://{host}:{port}"
+        where = address
         while True:
             try:
                 if self.elastic is None:
-                    self.elastic = ElasticRendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id,
+                    self.elastic = ElasticRendezvous(address, rank, world_size, s.listen, cluster_id=s.cluster_id,
                                                      agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
                                                      timeout_s=s.connect_timeout_s, secret=self.secret,
                                                      min_nodes=s.min_nodes)
@@ -265,13 +265,13 @@ class Daemon:
     def _find_membership(self) -> Membership:
         s = self.settings
         if s.rendezvous:  # "env" was resolved into HOST:PORT, rank and world size (settings.resolve)
-            host, _, port_text = s.rendezvous.rpartition(":")
-            port, world_size, rank = int(port_text), s.world_size, s.rank
-            if s.elastic:
-                m = self._join_elastic(host, port, rank, world_size)
+            if s.elastic:  # HOST:PORT of a `zend store`, or etcd://... (round_store.py)
+                m = self._join_elastic(s.rendezvous, s.rank, s.world_size)
                 self.last_change = ("joined", time.time())
                 self._learn_job_steps(m.job_steps)  # a restarted node learns where its jobs are
                 return m
+            host, _, port_text = s.rendezvous.rpartition(":")
+            port, world_size, rank = int(port_text), s.world_size, s.rank
             return rendezvous(host, port, rank, world_size, s.listen, cluster_id=s.cluster_id, agreed=s.agreed(),
                               secret=self.secret, timeout_s=s.connect_timeout_s)
         if not s.peers:  # one node: no data plane

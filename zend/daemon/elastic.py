@@ -43,7 +43,8 @@ from zend.daemon.membership import (
     first_line,
     with_protocol,
 )
-from zend.daemon.store_seal import StoreSeal, store_backend
+from zend.daemon.round_store import open_rounds
+from zend.daemon.store_seal import StoreSeal
 
 POLL_S = 0.02
 log = logging.getLogger("zend.membership")
@@ -58,9 +59,10 @@ KEEP_ALIVE_S = 1  # torch's heartbeat period (whole seconds); a member is dead a
 
 
 class ElasticRendezvous:
-    """This daemon's place in the elastic rendezvous `cluster_id` at the TCPStore `host:port`."""
+    """This daemon's place in the elastic rendezvous `cluster_id` at `address`: a TCPStore's HOST:PORT, or
+    etcd://HOST:PORT,... of an etcd cluster (round_store.py)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
+    def __init__(self, address: str, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
                  agreed: dict[str, object], dead_after_s: float, timeout_s: float, secret: bytes,
                  min_nodes: int = 0):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
@@ -71,15 +73,15 @@ class ElasticRendezvous:
         self.min_nodes = min_nodes or world_size  # below world_size: a round may form without lost nodes
         self.dead_after_s = KEEP_ALIVE_S * max(3, math.ceil(dead_after_s / KEEP_ALIVE_S))
         self.cluster_id, self.agreed = cluster_id, with_protocol(agreed)
-        self.where = f"tcpstore://{host}:{port} (elastic)"
-        self.timeout_s = max(timeout_s, JOIN_WINDOW_MIN_S)  # how long a round and its entries are waited for
         self.seal = StoreSeal(secret, cluster_id)
+        self.rounds = open_rounds(address, cluster_id, self.seal)
+        self.where = self.rounds.where
+        self.timeout_s = max(timeout_s, JOIN_WINDOW_MIN_S)  # how long a round and its entries are waited for
         self.generation_seen = 0  # the highest generation this daemon has been in
         self.round = -1  # torch's round this daemon joined last
         self._seen: Any = None  # that round's state as last seen intact (what a lost state is written back as)
-        self._address = (host, port)
         self._store: Any = self._connect(timeout_s)
-        backend = store_backend(lambda: self._store, f"zen-{cluster_id}", self.seal)
+        backend = self.rounds.backend(lambda: self._store)
         self._handler = DynamicRendezvousHandler.from_backend(
             f"zen-{cluster_id}", self._store, backend, self.min_nodes, world_size, local_addr=_host_of(my_uri),
             # last call: with --min-nodes, how long a round that could form waits for the rest (a slow start)
@@ -92,20 +94,13 @@ class ElasticRendezvous:
         """A client of the store, tried for up to `timeout_s`; its operations time out after STORE_OP_S (a
         read of a key that never comes, such as torch's bootstrap address from a frozen member, must not
         hold a round for the whole join timeout)."""
-        from torch.distributed import DistError, TCPStore
-
-        host, port = self._address
         try:
-            store = TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
-        except DistError as exc:
-            raise RendezvousTimeoutError(f"rank {self.rank} could not reach the rendezvous store at {self.where} "
-                                         f"within {timeout_s:g}s (is `zend store` running there?): "
-                                         f"{first_line(exc)}") from None
-        store.set_timeout(timedelta(seconds=STORE_OP_S))
-        return store
+            return self.rounds.connect(timeout_s, STORE_OP_S)
+        except RendezvousTimeoutError as exc:
+            raise RendezvousTimeoutError(f"rank {self.rank} {exc}") from None
 
     def _reconnect(self) -> None:
-        """A fresh connection to the store (torch's client does not come back after its server restarts),
+        """A fresh connection to the store (torch's TCPStore client does not come back after its server restarts),
         for the handler and the backend alike; MembershipError if the store does not answer."""
         self._store = self._connect(RECONNECT_S)
         self._handler._store = self._store  # the store torch derives each round's store from

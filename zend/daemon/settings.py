@@ -221,6 +221,15 @@ def validate(s: Settings) -> None:
         raise bad("elastic", "must be 0 or 1")
     if s.elastic and not s.rendezvous:
         raise bad("elastic", "needs rendezvous: HOST:PORT of a store that outlives the daemons (`zend store`)")
+    if s.rendezvous.startswith("etcd://"):
+        from zend.daemon.round_store import etcd_members
+
+        if not s.elastic:
+            raise bad("rendezvous", "an etcd cluster holds elastic rounds only: add --elastic 1")
+        try:
+            etcd_members(s.rendezvous)
+        except ValueError as exc:
+            raise bad("rendezvous", str(exc)) from None
     if s.min_nodes and not 1 <= s.min_nodes <= s.world_size:
         raise bad("min_nodes", f"must be 0 (no scale-in) or in [1, {s.world_size}] (the world size)")
     if s.min_nodes and s.min_nodes < s.world_size and not s.elastic:

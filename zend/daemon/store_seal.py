@@ -71,7 +71,7 @@ class StoreSeal:
                       "of another cluster or secret); ignored, and overwritten by the next honest write"})
 
 
-def _empty_state_bits() -> bytes:
+def empty_state_bits() -> bytes:
     """torch's state of a rendezvous nobody has joined, as its handler reads it (made here, never read)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
@@ -108,7 +108,7 @@ def store_backend(connection: Callable[[], Any], run_id: str, seal: StoreSeal) -
             if blob == empty:
                 return None
             payload = seal.open_value(key, blob)
-            return (_empty_state_bits() if payload is None else payload), blob
+            return (empty_state_bits() if payload is None else payload), blob
 
         def get_state(self) -> tuple[bytes, Any] | None:
             if not self._call("check", [key]):  # deleted: there again, empty
@@ -126,3 +126,28 @@ def store_backend(connection: Callable[[], Any], run_id: str, seal: StoreSeal) -
             return read[0], read[1], current == sealed
 
     return SealedStoreBackend()
+
+
+def sealed_backend(inner: Any, key: str, seal: StoreSeal) -> Any:
+    """torch's backend `inner` with its state blobs sealed under `key`: a blob without a valid seal reads as
+    an empty rendezvous, with its real token, so the handler's next write replaces it."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+    def opened(blob: bytes) -> bytes:
+        payload = seal.open_value(key, blob)
+        return empty_state_bits() if payload is None else payload
+
+    class SealedBackend(RendezvousBackend):
+        @property
+        def name(self) -> str:
+            return f"zen-sealed-{inner.name}"
+
+        def get_state(self) -> tuple[bytes, Any] | None:
+            got = inner.get_state()
+            return None if got is None else (opened(got[0]), got[1])
+
+        def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+            got = inner.set_state(seal.seal(key, state), token)
+            return None if got is None else (opened(got[0]), got[1], got[2])
+
+    return SealedBackend()

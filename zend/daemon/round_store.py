@@ -1,0 +1,104 @@
+"""Where an elastic cluster's rounds live: a TCPStore (`zend store`), or an etcd cluster.
+
+`--rendezvous HOST:PORT` names a TCPStore: simple, but one process; while it is down no membership
+change can happen (running generations need nothing from it). `--rendezvous etcd://H:P,H:P,H:P`
+names the client URLs of an etcd cluster (v2 API: etcd 3.4 with `--enable-v2`), replicated by Raft:
+it answers while a majority of its members live, so no single process is the cluster's to lose.
+
+Either way torch does the work: the rounds are `DynamicRendezvousHandler`'s, over torch's
+`C10dRendezvousBackend`-like store backend (store_seal.store_backend) or torch's
+`EtcdRendezvousBackend`, and the members' entries go into torch's `TCPStore` or `EtcdStore`. What
+zen adds is the seal: the handler only ever unpickles a state blob a member holding the cluster
+secret wrote (torch's backends unpickle whatever the store holds).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from zend.daemon.membership import RendezvousTimeoutError, first_line
+from zend.daemon.store_seal import StoreSeal, sealed_backend, store_backend
+
+ETCD = "etcd://"
+ETCD_PREFIX = "/zen"  # every key of zen's under it: /zen/<cluster>/rdzv (torch's state), /zen/<cluster>/store/...
+ETCD_STATE_TTL_S = 24 * 3600  # torch re-writes the state at every heartbeat: only an abandoned cluster's expires
+
+
+def etcd_members(address: str) -> list[tuple[str, int]] | None:
+    """The (host, port) client URLs of `etcd://H:P[,H:P...]`; None for a TCPStore's HOST:PORT. ValueError
+    names the part that is not HOST:PORT."""
+    if not address.startswith(ETCD):
+        return None
+    members = []
+    for part in address.removeprefix(ETCD).split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"rendezvous {address!r}: {part!r} is not HOST:PORT of an etcd member")
+        members.append((host.strip("[]"), int(port)))
+    return members
+
+
+class TcpRounds:
+    """The rounds in torch's TCPStore at host:port."""
+
+    def __init__(self, address: str, cluster_id: str, seal: StoreSeal):
+        host, _, port = address.rpartition(":")
+        self.host, self.port = host, int(port)
+        self.run_id, self.seal = f"zen-{cluster_id}", seal
+        self.where = f"tcpstore://{host}:{port} (elastic)"
+
+    def connect(self, timeout_s: float, op_timeout_s: float) -> Any:
+        """A client of the store, tried for up to `timeout_s`; its operations time out after op_timeout_s."""
+        from torch.distributed import DistError, TCPStore
+
+        try:
+            store = TCPStore(self.host, self.port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+        except DistError as exc:
+            raise RendezvousTimeoutError(f"could not reach the rendezvous store at {self.where} within {timeout_s:g}s "
+                                         f"(is `zend store` running there?): {first_line(exc)}") from None
+        store.set_timeout(timedelta(seconds=op_timeout_s))
+        return store
+
+    def backend(self, connection: Any) -> Any:
+        return store_backend(connection, self.run_id, self.seal)
+
+
+class EtcdRounds:
+    """The rounds in an etcd cluster (python-etcd, as torch's etcd backend uses it)."""
+
+    def __init__(self, members: list[tuple[str, int]], cluster_id: str, seal: StoreSeal):
+        self.members, self.cluster_id, self.seal = members, cluster_id, seal
+        self.run_id = f"zen-{cluster_id}"
+        self.where = "etcd://" + ",".join(f"{h}:{p}" for h, p in members) + " (elastic)"
+        self._client: Any = None
+
+    def connect(self, timeout_s: float, op_timeout_s: float) -> Any:
+        """torch's EtcdStore over a client that fails over among the members (a majority must answer)."""
+        try:
+            import etcd
+            from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+        except ImportError as exc:
+            raise RendezvousTimeoutError(f"{self.where} needs python-etcd (pip install 'zen[etcd]'): {exc}") from None
+        try:
+            self._client = etcd.Client(host=tuple(self.members), allow_reconnect=True, protocol="http",
+                                       read_timeout=max(1, round(min(timeout_s, op_timeout_s))))
+            self._client.machines  # noqa: B018 (a request: is any member there?)
+        except etcd.EtcdException as exc:
+            raise RendezvousTimeoutError(f"could not reach any etcd member of {self.where}: {first_line(exc)}") \
+                from None
+        return EtcdStore(self._client, f"{ETCD_PREFIX}/{self.cluster_id}/store",
+                         timeout=timedelta(seconds=op_timeout_s))
+
+    def backend(self, connection: Any) -> Any:
+        from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
+
+        client = self._client
+        inner = EtcdRendezvousBackend(client, self.run_id, key_prefix=f"{ETCD_PREFIX}/{self.cluster_id}/rdzv",
+                                      ttl=ETCD_STATE_TTL_S)
+        return sealed_backend(inner, f"torch.rendezvous.{self.run_id}", self.seal)
+
+
+def open_rounds(address: str, cluster_id: str, seal: StoreSeal) -> TcpRounds | EtcdRounds:
+    members = etcd_members(address)
+    return TcpRounds(address, cluster_id, seal) if members is None else EtcdRounds(members, cluster_id, seal)
