@@ -12,6 +12,7 @@ import json
 import pickle
 import shutil
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -23,6 +24,7 @@ import pytest
 import torch
 import zen
 
+from tests.certificates import Ca
 from tests.helpers import random_grad, run_all
 from zend.cluster.local import LocalCluster, free_port
 
@@ -37,17 +39,27 @@ ROWS, WIDTH = 200, 4
 class EtcdCluster:
     """Three etcd members on loopback, each in a process of its own (v2 API on)."""
 
-    def __init__(self, workdir: Path, members: int = 3):
+    def __init__(self, workdir: Path, members: int = 3, tls: Ca | None = None):
         self.ports = [(free_port(), free_port()) for _ in range(members)]
         initial = ",".join(f"e{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(self.ports))
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.scheme, secured = "http", []
+        self.client_tls: tuple[str, ...] = ()
+        if tls is not None:  # clients must show a certificate the CA signed (--client-cert-auth)
+            (workdir / "ca.pem").write_bytes(tls.pem())
+            tls.issue(workdir / "etcd.pem", workdir / "etcd.key")
+            tls.issue(workdir / "client.pem", workdir / "client.key")
+            self.scheme = "https"
+            secured = ["--cert-file", str(workdir / "etcd.pem"), "--key-file", str(workdir / "etcd.key"),
+                       "--trusted-ca-file", str(workdir / "ca.pem"), "--client-cert-auth=true"]
+            self.client_tls = (str(workdir / "ca.pem"), str(workdir / "client.pem"), str(workdir / "client.key"))
         for i, (client, peer) in enumerate(self.ports):
             log = open(workdir / f"etcd{i}.log", "wb")  # noqa: SIM115 (the child owns it)
             assert ETCD is not None
             self.procs.append(subprocess.Popen(
                 [ETCD, "--name", f"e{i}", "--data-dir", str(workdir / f"etcd{i}"),
-                 "--listen-client-urls", f"http://127.0.0.1:{client}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                 "--listen-client-urls", f"{self.scheme}://127.0.0.1:{client}",
+                 "--advertise-client-urls", f"{self.scheme}://127.0.0.1:{client}", *secured,
                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
@@ -56,14 +68,18 @@ class EtcdCluster:
             log.close()
         deadline = time.monotonic() + 60
         for client, _ in self.ports:
-            while not self.healthy(client):
+            while not self.healthy(client, self.client_tls):
                 assert time.monotonic() < deadline, "the etcd cluster did not become healthy within 60 s"
                 time.sleep(0.2)
 
     @staticmethod
-    def healthy(client: int) -> bool:
-        with contextlib.suppress(OSError, ValueError), \
-                urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=2) as r:
+    def healthy(client: int, tls: tuple[str, ...] = ()) -> bool:
+        context = None
+        if tls:
+            context = ssl.create_default_context(cafile=tls[0])
+            context.load_cert_chain(tls[1], tls[2])
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{client}/health"
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url, timeout=2, context=context) as r:
             return bool(json.loads(r.read()).get("health") == "true")
         return False
 
@@ -145,6 +161,35 @@ def test_daemons_rejoin_over_etcd_with_a_member_down_and_step_on_with_none(etcd:
         for z in trainers:
             z.close()
         c.close()
+
+
+def test_daemons_reach_an_etcd_that_asks_for_client_certificates_and_one_without_is_refused(tmp_path: Path):
+    from zend.daemon.elastic import ElasticRendezvous
+    from zend.daemon.membership import RendezvousTimeoutError
+    from zend.daemon.round_store import RendezvousTls
+
+    etcd = EtcdCluster(tmp_path, tls=Ca())
+    ca, cert, key = etcd.client_tls
+    c = LocalCluster(2, tmp_path / "c", elastic=True, extra=[*EXTRA, "--rendezvous-tls-ca-file", ca,
+                                                             "--rendezvous-tls-cert-file", cert,
+                                                             "--rendezvous-tls-key-file", key])
+    c.store = etcd.address
+    trainers: list[zen.Client] = []
+    try:
+        with pytest.raises(RendezvousTimeoutError, match="could not reach any etcd member"):  # no certificate
+            ElasticRendezvous(etcd.address, 0, 2, "tcp://127.0.0.1:7000", cluster_id="zen", agreed={},
+                              dead_after_s=3.0, timeout_s=5.0, secret=b"s" * 32, tls=RendezvousTls(ca_file=ca))
+        for node in range(2):
+            c.start_node(node)
+        for node in range(2):
+            c.wait_ready(node, 90)
+        trainers = [client(c, n) for n in range(2)]
+        step_all(trainers, 0)
+    finally:
+        for z in trainers:
+            z.close()
+        c.close()
+        etcd.close()
 
 
 def test_a_state_blob_no_member_sealed_is_never_unpickled(etcd: EtcdCluster, tmp_path: Path):

@@ -30,6 +30,10 @@ HELP = {
                   "the node count from GROUP_WORLD_SIZE, NNODES or PET_NNODES, the host from MASTER_ADDR, the port "
                   "from ZEN_RENDEZVOUS_PORT (default 7001, not MASTER_PORT); ZEN_NODE_RANK, ZEN_NUM_NODES and "
                   "ZEN_RENDEZVOUS_ADDR override",
+    "rendezvous_tls_ca_file": "etcd://: talk https to the etcd members, whose certificates this CA (PEM) signed",
+    "rendezvous_tls_cert_file": "etcd://: this daemon's client certificate (PEM), for an etcd with "
+                                "--client-cert-auth",
+    "rendezvous_tls_key_file": "PEM private key of --rendezvous-tls-cert-file",
     "elastic": "1: membership by torch's elastic rendezvous over a store that outlives the daemons (`zend store`); "
                "a restarted daemon rejoins, every node moves to a new generation",
     "min_nodes": "with --elastic 1: when a node is lost for --peer-timeout-s, go on as soon as this many nodes "

@@ -56,6 +56,7 @@ from zend.daemon.node_state import (
 from zend.daemon.node_steps import NodeSteps
 from zend.daemon.operator_service import OperatorService
 from zend.daemon.operator_tls import OperatorTls
+from zend.daemon.round_store import RendezvousTls
 from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
 from zend.daemon.socket_steps import SocketSteps
@@ -245,7 +246,10 @@ class Daemon:
                     self.elastic = ElasticRendezvous(address, rank, world_size, s.listen, cluster_id=s.cluster_id,
                                                      agreed=s.agreed(), dead_after_s=s.peer_timeout_s,
                                                      timeout_s=s.connect_timeout_s, secret=self.secret,
-                                                     min_nodes=s.min_nodes)
+                                                     min_nodes=s.min_nodes,
+                                                     tls=RendezvousTls(s.rendezvous_tls_ca_file,
+                                                                       s.rendezvous_tls_cert_file,
+                                                                       s.rendezvous_tls_key_file))
                 return self.elastic.join()
             except MembershipError as exc:
                 wait_s = backoff.next()

@@ -43,7 +43,7 @@ from zend.daemon.membership import (
     first_line,
     with_protocol,
 )
-from zend.daemon.round_store import open_rounds
+from zend.daemon.round_store import RendezvousTls, open_rounds
 from zend.daemon.store_seal import StoreSeal
 
 POLL_S = 0.02
@@ -64,7 +64,7 @@ class ElasticRendezvous:
 
     def __init__(self, address: str, rank: int, world_size: int, my_uri: str, *, cluster_id: str,
                  agreed: dict[str, object], dead_after_s: float, timeout_s: float, secret: bytes,
-                 min_nodes: int = 0):
+                 min_nodes: int = 0, tls: RendezvousTls | None = None):
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
         # torch would start a second TCPStore on rank 0 for the workers' bootstrap: zen has no use for it
@@ -74,7 +74,7 @@ class ElasticRendezvous:
         self.dead_after_s = KEEP_ALIVE_S * max(3, math.ceil(dead_after_s / KEEP_ALIVE_S))
         self.cluster_id, self.agreed = cluster_id, with_protocol(agreed)
         self.seal = StoreSeal(secret, cluster_id)
-        self.rounds = open_rounds(address, cluster_id, self.seal)
+        self.rounds = open_rounds(address, cluster_id, self.seal, tls or RendezvousTls())
         self.where = self.rounds.where
         self.timeout_s = max(timeout_s, JOIN_WINDOW_MIN_S)  # how long a round and its entries are waited for
         self.generation_seen = 0  # the highest generation this daemon has been in

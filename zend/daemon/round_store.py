@@ -14,6 +14,7 @@ secret wrote (torch's backends unpickle whatever the store holds).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +24,19 @@ from zend.daemon.store_seal import StoreSeal, sealed_backend, store_backend
 ETCD = "etcd://"
 ETCD_PREFIX = "/zen"  # every key of zen's under it: /zen/<cluster>/rdzv (torch's state), /zen/<cluster>/store/...
 ETCD_STATE_TTL_S = 24 * 3600  # torch re-writes the state at every heartbeat: only an abandoned cluster's expires
+
+
+@dataclass(frozen=True)
+class RendezvousTls:
+    """TLS to an etcd cluster's members (PEM files; empty: plain http)."""
+
+    ca_file: str = ""  # the CA that signed the members' certificates: https, the members checked
+    cert_file: str = ""  # this daemon's client certificate (etcd --client-cert-auth), with its key
+    key_file: str = ""
+
+    @property
+    def on(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
 
 
 def etcd_members(address: str) -> list[tuple[str, int]] | None:
@@ -67,10 +81,11 @@ class TcpRounds:
 class EtcdRounds:
     """The rounds in an etcd cluster (python-etcd, as torch's etcd backend uses it)."""
 
-    def __init__(self, members: list[tuple[str, int]], cluster_id: str, seal: StoreSeal):
-        self.members, self.cluster_id, self.seal = members, cluster_id, seal
+    def __init__(self, members: list[tuple[str, int]], cluster_id: str, seal: StoreSeal, tls: RendezvousTls):
+        self.members, self.cluster_id, self.seal, self.tls = members, cluster_id, seal, tls
         self.run_id = f"zen-{cluster_id}"
-        self.where = "etcd://" + ",".join(f"{h}:{p}" for h, p in members) + " (elastic)"
+        self.where = ("etcd://" + ",".join(f"{h}:{p}" for h, p in members) + (" (elastic, TLS)" if tls.on else
+                                                                              " (elastic)"))
         self._client: Any = None
 
     def connect(self, timeout_s: float, op_timeout_s: float) -> Any:
@@ -81,7 +96,10 @@ class EtcdRounds:
         except ImportError as exc:
             raise RendezvousTimeoutError(f"{self.where} needs python-etcd (pip install 'zen[etcd]'): {exc}") from None
         try:
-            self._client = etcd.Client(host=tuple(self.members), allow_reconnect=True, protocol="http",
+            t = self.tls
+            self._client = etcd.Client(host=tuple(self.members), allow_reconnect=True,
+                                       protocol="https" if t.on else "http", ca_cert=t.ca_file or None,
+                                       cert=(t.cert_file, t.key_file) if t.cert_file else None,
                                        read_timeout=max(1, round(min(timeout_s, op_timeout_s))))
             self._client.machines  # noqa: B018 (a request: is any member there?)
         except etcd.EtcdException as exc:
@@ -99,6 +117,6 @@ class EtcdRounds:
         return sealed_backend(inner, f"torch.rendezvous.{self.run_id}", self.seal)
 
 
-def open_rounds(address: str, cluster_id: str, seal: StoreSeal) -> TcpRounds | EtcdRounds:
+def open_rounds(address: str, cluster_id: str, seal: StoreSeal, tls: RendezvousTls) -> TcpRounds | EtcdRounds:
     members = etcd_members(address)
-    return TcpRounds(address, cluster_id, seal) if members is None else EtcdRounds(members, cluster_id, seal)
+    return TcpRounds(address, cluster_id, seal) if members is None else EtcdRounds(members, cluster_id, seal, tls)

@@ -32,6 +32,9 @@ class Settings:
     rendezvous: str = ""                 # "host:port" of torch's TCPStore; "env": membership.from_environment
     elastic: int = 0                     # 1: the rendezvous store outlives the daemons; a restarted one rejoins
     min_nodes: int = 0                   # (elastic) below world_size: the survivors of a lost node go on (scale-in)
+    rendezvous_tls_ca_file: str = ""     # etcd://: https to the members, whose certificates this CA signed (PEM)
+    rendezvous_tls_cert_file: str = ""   # etcd://: this daemon's client certificate (etcd --client-cert-auth)
+    rendezvous_tls_key_file: str = ""    # ... its key (both or neither)
     listen: str = ""                     # own data-plane URI (default: peers[rank])
     transport: str = "auto"              # tcp, ucx or auto (resolved from the peers' URIs)
     cluster_id: str = "zen"
@@ -230,6 +233,14 @@ def validate(s: Settings) -> None:
             etcd_members(s.rendezvous)
         except ValueError as exc:
             raise bad("rendezvous", str(exc)) from None
+    tls = ("rendezvous_tls_ca_file", "rendezvous_tls_cert_file", "rendezvous_tls_key_file")
+    for name in tls:
+        if getattr(s, name) and not s.rendezvous.startswith("etcd://"):
+            raise bad(name, "TLS to the rendezvous is for an etcd cluster (--rendezvous etcd://...); torch's "
+                            "TCPStore (`zend store`) has none")
+    if bool(s.rendezvous_tls_cert_file) != bool(s.rendezvous_tls_key_file):
+        given, missing = (tls[1], tls[2]) if s.rendezvous_tls_cert_file else (tls[2], tls[1])
+        raise bad(given, f"needs {missing} too (a client certificate and its key, PEM)")
     if s.min_nodes and not 1 <= s.min_nodes <= s.world_size:
         raise bad("min_nodes", f"must be 0 (no scale-in) or in [1, {s.world_size}] (the world size)")
     if s.min_nodes and s.min_nodes < s.world_size and not s.elastic:
