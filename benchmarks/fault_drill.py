@@ -13,7 +13,9 @@ Every F seconds (uniform in --fault-every-s) a fault hits a node not already und
 - daemon_restart: the daemon killed -9, started again with the same rank 0-3 s later;
 - freeze: the daemon stopped (SIGSTOP) for 1-8 s, then SIGCONT;
 - trainer_restart: one trainer killed -9, a new one started 0-3 s later;
-- partition: the node's link down (its veth on the hub's bridge) for 1-8 s (namespaces only).
+- partition: the node's link down (its veth on the hub's bridge) for 1-8 s (namespaces only);
+- cluster_restart: every daemon killed -9 at once, all started again 0-3 s later (no daemon remembers
+  where the job is; steps in flight end differently for different trainers); not in the default set.
 The schedule comes from --seed alone (printed before the run): a failing run is replayed with its seed.
 
 At the end (--duration-s of faults) every fault is healed, the trainers are told a common last step, and
@@ -69,7 +71,9 @@ sys.path.insert(0, str(ROOT))
 from zend.cluster.local import LocalCluster  # noqa: E402
 
 KINDS = ("daemon_restart", "freeze", "trainer_restart", "partition")
-HOLD_S = {"daemon_restart": (0.0, 3.0), "freeze": (1.0, 8.0), "trainer_restart": (0.0, 3.0), "partition": (1.0, 8.0)}
+EXTRA_KINDS = ("cluster_restart",)  # asked for by name: --faults ...,cluster_restart
+HOLD_S = {"daemon_restart": (0.0, 3.0), "freeze": (1.0, 8.0), "trainer_restart": (0.0, 3.0), "partition": (1.0, 8.0),
+          "cluster_restart": (0.0, 3.0)}
 JOB, TENSOR = "drill", "tables"
 ROWS_A, ROWS_B, DIM = 1000, 200, 8  # two tables, fused into one tensor of ROWS_A + ROWS_B rows
 NUM_ROWS = ROWS_A + ROWS_B
@@ -212,7 +216,8 @@ class Fault:
         what = {"daemon_restart": f"daemon of node {self.node} killed -9, restarted after {self.hold_s:.1f} s",
                 "freeze": f"daemon of node {self.node} frozen (SIGSTOP) for {self.hold_s:.1f} s",
                 "trainer_restart": f"trainer {self.node}.{self.local} killed -9, restarted after {self.hold_s:.1f} s",
-                "partition": f"node {self.node}'s link down for {self.hold_s:.1f} s"}[self.kind]
+                "partition": f"node {self.node}'s link down for {self.hold_s:.1f} s",
+                "cluster_restart": f"every daemon killed -9, restarted after {self.hold_s:.1f} s"}[self.kind]
         return f"#{self.index:<3} +{self.at_s:6.1f} s  {what}"
 
 
@@ -232,12 +237,13 @@ def make_schedule(seed: int, duration_s: float, every_s: tuple[float, float], ki
         hold = rng.uniform(*HOLD_S[kind])
         free = [n for n in range(nodes) if busy_until[n] <= t]
         node, local = rng.choice(range(nodes)), rng.randrange(trainers)
-        if not free:
-            skipped.append(f"+{t:.1f} s {kind}: every node is under a fault")
+        if not free or (kind == "cluster_restart" and len(free) < nodes):
+            skipped.append(f"+{t:.1f} s {kind}: {'every' if not free else 'a'} node is under a fault")
             continue
         if node not in free:
             node = free[node % len(free)]
-        busy_until[node] = t + hold
+        for hit in (range(nodes) if kind == "cluster_restart" else [node]):
+            busy_until[hit] = t + hold
         faults.append(Fault(len(faults), round(t, 2), kind, node, local, round(hold, 2)))
 
 
@@ -418,6 +424,12 @@ class Drill:
         if f.kind == "daemon_restart":
             self.down.add(("daemon", f.node))
             self.c.kill(f.node)
+        elif f.kind == "cluster_restart":
+            for node in self.c.procs:
+                self.down.add(("daemon", node))
+                self.c.send_signal(node, signal.SIGKILL)  # all at once, then reaped
+            for node in self.c.procs:
+                self.c.procs[node].wait(30)
         elif f.kind == "freeze":
             self.frozen.add(f.node)
             self.c.send_signal(f.node, signal.SIGSTOP)
@@ -436,6 +448,10 @@ class Drill:
         if f.kind == "daemon_restart":
             self.c.start_node(f.node)
             self.down.discard(("daemon", f.node))
+        elif f.kind == "cluster_restart":
+            for node in list(self.c.procs):
+                self.c.start_node(node)
+                self.down.discard(("daemon", node))
         elif f.kind == "freeze":
             self.c.send_signal(f.node, signal.SIGCONT)
             self.frozen.discard(f.node)
@@ -810,7 +826,7 @@ def summarize(faults: list[Fault]) -> dict[str, dict[str, Any]]:
         return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)} if xs else None
 
     out = {}
-    for kind in KINDS:
+    for kind in KINDS + EXTRA_KINDS:
         fs = [f for f in faults if f.kind == kind]
         if not fs:
             continue
@@ -887,7 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainers", type=int, default=2, help="trainer processes per node")
     p.add_argument("--duration-s", type=float, default=120.0, help="how long faults come")
     p.add_argument("--fault-every-s", type=parse_range, default=(6.0, 10.0), metavar="LOW-HIGH")
-    p.add_argument("--faults", default=",".join(KINDS), help=f"a comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--faults", default=",".join(KINDS),
+                   help=f"a comma-separated subset of {','.join(KINDS + EXTRA_KINDS)} (default: {','.join(KINDS)})")
     p.add_argument("--seed", type=int, default=None, help="the schedule's and the gradients' (default: random)")
     p.add_argument("--only", default=None, metavar="I,J-K",
                    help="only these faults of the seed's schedule (by #), spaced as there, the first 6 s in: a "
@@ -904,9 +921,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout (progress on stderr)")
     args = p.parse_args(argv)
     kinds = [k for k in args.faults.split(",") if k]
-    unknown = sorted(set(kinds) - set(KINDS))
+    unknown = sorted(set(kinds) - set(KINDS + EXTRA_KINDS))
     if unknown:
-        p.error(f"--faults: unknown {unknown}; known: {','.join(KINDS)}")
+        p.error(f"--faults: unknown {unknown}; known: {','.join(KINDS + EXTRA_KINDS)}")
     args.notes = []
     if args.loopback and "partition" in kinds:
         kinds.remove("partition")
