@@ -85,7 +85,7 @@ def test_a_member_that_dies_before_publishing_its_entry_stalls_the_round_for_sec
     assert ready.wait(30)
 
     def member(rank: int) -> ElasticRendezvous:
-        return ElasticRendezvous("127.0.0.1", port, rank, 2, f"tcp://127.0.0.1:{7000 + rank}", cluster_id="c",
+        return ElasticRendezvous(f"127.0.0.1:{port}", rank, 2, f"tcp://127.0.0.1:{7000 + rank}", cluster_id="c",
                                  agreed={}, dead_after_s=3.0, timeout_s=60.0, secret=b"s" * 32)
     survivor, doomed = member(0), member(1)
     try:

@@ -26,6 +26,7 @@ from tests.helpers import poll_for
 from zend.core.sparse import SparseGrad
 from zend.daemon import errors as codes
 from zend.daemon.errors import StepError
+from zend.daemon.steps import StepKey
 from zend.protocol.layout import TensorSpec
 from zend.transport.inproc import InProcessCluster
 
@@ -392,8 +393,8 @@ def test_a_node_a_step_behind_at_a_tensors_first_step_learns_where_the_job_is_an
     cluster = InProcessCluster(2)
     spec = TensorSpec(JOB, "emb", (60, 3), "float32", "sparse_rows", False)
     nodes = [Node(cluster.communicator(r), "zen", timeout_s=30.0) for r in range(2)]
-    learned: dict[str, int] = {}
-    nodes[0].trainer_steps.learn_job_step = learned.__setitem__
+    learned: list[StepKey] = []
+    nodes[0].trainer_steps.learn_step = learned.append
     sessions = [n.trainer(0, 1) for n in nodes]
     ahead: dict[str, object] = {}
 
@@ -409,7 +410,7 @@ def test_a_node_a_step_behind_at_a_tensors_first_step_learns_where_the_job_is_an
     with pytest.raises(StepError, match=r"node 1 is at step 6 of tensor 'emb'.*the job is at step 6") as behind:
         nodes[0].submit(sessions[0], spec, grad_of(0, 5, rows=60, dim=3), 5)
     assert behind.value.code == codes.ABORTED and time.monotonic() - t0 < 5
-    assert learned == {JOB: 6} and waiting.is_alive()  # node 1 waits on
+    assert [(k.job, k.step) for k in learned] == [(JOB, 6)] and waiting.is_alive()  # node 1 waits on
     got = nodes[0].submit(sessions[0], spec, grad_of(0, 6, rows=60, dim=3), 6)  # node 0's trainer resumed
     waiting.join(30)
     full = reference_sum([grad_of(r, 6, rows=60, dim=3) for r in range(2)])
@@ -429,8 +430,8 @@ def test_a_trainer_a_step_behind_its_nodes_others_learns_where_the_job_is(first:
     cluster = InProcessCluster(2)
     spec = TensorSpec(JOB, "emb", (60, 3), "float32", "sparse_rows", False)
     nodes = [Node(cluster.communicator(r), "zen", timeout_s=30.0) for r in range(2)]
-    learned: dict[str, int] = {}
-    nodes[0].trainer_steps.learn_job_step = learned.__setitem__
+    learned: list[StepKey] = []
+    nodes[0].trainer_steps.learn_step = learned.append
     sessions = [[n.trainer(t, 2) for t in range(2)] for n in nodes]
     outs: dict[tuple[int, int], object] = {}
 
@@ -451,7 +452,8 @@ def test_a_trainer_a_step_behind_its_nodes_others_learns_where_the_job_is(first:
     behind.join(10)
     err = outs[(0, 0)]
     assert isinstance(err, StepError) and err.code == codes.ABORTED and "the job is at step 6" in err.message, err
-    assert learned == {JOB: 6} and nodes[0].trainer_steps.highest_open_step(JOB) == 6
+    assert {(k.job, k.step) for k in learned} == {(JOB, 6)}
+    assert list(nodes[0].trainer_steps.open_steps_of(JOB).values()) == [6]
     submit(0, 0, 6)  # the trainer behind resumes where the job is
     for th in [ahead, *others]:
         th.join(30)

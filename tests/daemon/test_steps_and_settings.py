@@ -409,3 +409,16 @@ def test_an_etcd_rendezvous_is_elastic_and_names_a_member_that_is_not_host_port(
         resolve({**given, "rendezvous": "etcd://10.0.0.7:2379"}, env={})
     with pytest.raises(SettingsError, match=r"'10.0.0.8' is not HOST:PORT of an etcd member"):
         resolve({**given, "rendezvous": "etcd://10.0.0.7:2379,10.0.0.8", "elastic": 1}, env={})
+
+
+def test_the_job_is_at_the_lowest_step_its_tensors_reached_or_its_generations() -> None:
+    from zend.daemon.jobs import where_the_job_is
+
+    assert where_the_job_is(0, []) == 0
+    assert where_the_job_is(5, []) == 5  # only the generation's word
+    # tensor 1 went on to step 8 (a trainer waits in it), tensor 2's step 7 was aborted: the job is at 7,
+    # and a healthy trainer with tensor 2 at 7 is not behind
+    assert where_the_job_is(0, [(1, 8), (2, 7), (1, 7)]) == 7
+    # every daemon restarted: only what the tensors say (a peer at step 66, a trainer here waiting in it)
+    assert where_the_job_is(0, [(1, 66), (1, 65)]) == 66
+    assert where_the_job_is(70, [(1, 66)]) == 70

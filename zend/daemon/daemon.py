@@ -37,7 +37,7 @@ from zend.daemon.elastic import ElasticRendezvous
 from zend.daemon.errors import FAILED_PRECONDITION, StepError
 from zend.daemon.generations import Generations
 from zend.daemon.grpc_server import NETWORK_LISTENER_OPTIONS, GrpcServers, Registration
-from zend.daemon.jobs import JobRegistry, Session, operator_token
+from zend.daemon.jobs import JobRegistry, Session, operator_token, where_the_job_is
 from zend.daemon.membership import Membership, MembershipError, first_line, rendezvous, static_membership
 from zend.daemon.metrics import DaemonMetrics, NodeReadings
 from zend.daemon.node_state import (
@@ -61,7 +61,7 @@ from zend.daemon.secret import load_secret
 from zend.daemon.settings import Settings
 from zend.daemon.socket_steps import SocketSteps
 from zend.daemon.status import CheckpointStatus, NodeStatus, PeerStatus, SessionStatus, TensorStatus
-from zend.daemon.steps import STEP_WINDOW
+from zend.daemon.steps import STEP_WINDOW, StepKey
 from zend.daemon.trainer_service import TrainerService
 from zend.daemon.trainer_steps import TrainerSteps
 from zend.protocol.checkpoint import SEGMENT_OP
@@ -105,7 +105,7 @@ class Daemon:
         self.node_state = NodeStateHolder(self._set_serving)  # the one home of joining/serving/changing/draining
         self.trainer_steps = TrainerSteps(self.registry, self.buffers.get, self.metrics, s.step_timeout_s,
                                           s.max_submits_in_flight_per_job, lambda: self.node_state.state,
-                                          lambda job, step: self._learn_job_steps({job: step}))
+                                          self._learn_tensor_step)
         self.socket_steps = SocketSteps(self.registry, self.trainer_steps, self.metrics.count_error)
         self.transport: LinkTransport | None = None
         self.transport_name = ""
@@ -123,6 +123,8 @@ class Daemon:
         self.elastic: ElasticRendezvous | None = None  # with --elastic 1: the rounds a restarted node rejoins
         self.last_change = ("", 0.0)  # (what made the current generation, unix time)
         self.job_steps: dict[str, int] = {}  # job -> its step when this generation formed (--elastic)
+        self.tensor_steps: dict[tuple[str, int], int] = {}  # (job, tensor id) -> a step it reached elsewhere
+        self._steps_lock = threading.Lock()  # learned steps only rise: one writer at a time
         self.metrics.watch(self.readings)
         self._stopped = threading.Event()
         self._stop_requested = threading.Event()  # SIGTERM / SIGINT, also while start() is still joining
@@ -387,16 +389,28 @@ class Daemon:
     # A job's step only moves forward; what a node learns of it (its generation's agreement, its tensors'
     # progress) is kept as the highest seen, never lowered by a node that knows less.
     def _learn_job_steps(self, steps: dict[str, int]) -> None:
-        for job, step in steps.items():
-            if step > self.job_steps.get(job, -1):
-                self.job_steps[job] = step
+        with self._steps_lock:
+            for job, step in steps.items():
+                if step > self.job_steps.get(job, -1):
+                    self.job_steps[job] = step
+
+    def _learn_tensor_step(self, key: StepKey) -> None:
+        """A step this node found a tensor at elsewhere (a peer, or another trainer here, was at it)."""
+        with self._steps_lock:
+            if key.step > self.tensor_steps.get((key.job, key.tensor_id), -1):
+                self.tensor_steps[(key.job, key.tensor_id)] = key.step
 
     def job_step(self, job: str) -> int:
-        """The step `job` is at, as far as this node knows: what its generation agreed on, what its
-        tensors have reached here since, or a step its other trainers here wait in (a trainer that joins a
-        running generation resumes there, also after every daemon restarted)."""
-        return max(self.job_steps.get(job, 0), self.registry.job_steps().get(job, 0),
-                   self.trainer_steps.highest_open_step(job))
+        """The step `job` is at, as far as this node knows: what its generation agreed on, or else the lowest
+        over its tensors of where each is known to be (its next step here, a step the node learned it is at
+        elsewhere, a step its trainers here wait in): a trainer that joins a running generation resumes
+        there, also after every daemon restarted."""
+        reached = [(s.tensor_id, s.stats.last_step + 1) for s in self.registry.tensor_list()
+                   if s.spec.job == job and s.stats.steps]
+        with self._steps_lock:
+            reached += [(tid, step) for (j, tid), step in self.tensor_steps.items() if j == job]
+        reached += list(self.trainer_steps.open_steps_of(job).items())
+        return where_the_job_is(self.job_steps.get(job, 0), reached)
 
     def still_changing(self, why: str) -> None:
         self.node_state.apply(changing(why))

@@ -124,6 +124,7 @@ class ElasticRendezvous:
         RendezvousTimeoutError after `timeout_s`."""
         from torch.distributed.elastic.rendezvous import RendezvousError
 
+        store_errors: tuple[type[BaseException], ...] = (RuntimeError, *self.rounds.errors)  # torch's, python-etcd's
         with self._lock:
             try:
                 info = self._with_store(self._handler.next_rendezvous)
@@ -132,7 +133,7 @@ class ElasticRendezvous:
                 raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.min_nodes}-"
                                              f"{self.world_size} nodes at {self.where} within {self.timeout_s:g}s: "
                                              f"{first_line(exc)}") from None
-            except RuntimeError as exc:  # torch's store errors (DistStoreError, DistNetworkError)
+            except store_errors as exc:
                 raise MembershipError(f"rank {self.rank}: the rendezvous store at {self.where} failed: "
                                       f"{first_line(exc)}") from None
 
@@ -254,8 +255,8 @@ class ElasticRendezvous:
         state = holder.state
         if state.round != round_:
             return f"the rendezvous is at round {state.round} now"
-        if state.wait_list:
-            return f"{len(state.wait_list)} daemon(s) wait to join"
+        if state.wait_list or state.redundancy_list:  # a restart that came while its dead self is a member
+            return f"{len(state.wait_list) + len(state.redundancy_list)} daemon(s) wait to join"
         if len(state.participants) < members:  # torch dropped them: their heartbeats stopped
             return f"{members - len(state.participants)} member(s) left it (no heartbeat for {self.dead_after_s:g} s)"
         now = datetime.now(UTC)

@@ -14,7 +14,7 @@ import hmac
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -286,3 +286,14 @@ class JobRegistry:
         if state is None:
             raise StepError(NOT_FOUND, f"tensor id {tid} is not registered in job {job!r}")
         return state
+
+
+def where_the_job_is(agreed: int, reached: Iterable[tuple[int, int]]) -> int:
+    """The step a job is at: `agreed` (its generation's), or the lowest over its tensors of the highest step
+    each is known to have reached (`reached`: (tensor id, step) pairs), whichever is higher. The lowest: a
+    job whose step was aborted half-way is at that step, and one tensor ahead of another is no reason to
+    tell a trainer it is behind."""
+    known: dict[int, int] = {}
+    for tid, step in reached:
+        known[tid] = max(known.get(tid, step), step)
+    return max(agreed, min(known.values(), default=0))

@@ -158,7 +158,11 @@ class NodeSteps:
         timeout_s = channel.timeout_s or self.timeout_s
         deadline = time.monotonic() + timeout_s
         ahead = f"{job_key(key.job)}/{key.tensor_id}/{key.step + 1}/"
-        while True:
+        link = self.comm.link_epoch(j)  # each short recv sees only its own span: a link that dropped and came
+        while True:  # back between two of them may have taken the description with it
+            if self.comm.link_epoch(j) != link:
+                raise CommError(f"rank {self.comm.rank}: the link to rank {j} dropped while its description of "
+                                f"tensor {name!r} was awaited")
             left = deadline - time.monotonic()
             try:
                 return channel.recv(j, "agree", timeout_s=max(0.001, min(AHEAD_POLL_S, left)))

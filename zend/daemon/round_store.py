@@ -14,6 +14,7 @@ secret wrote (torch's backends unpickle whatever the store holds).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,9 @@ from zend.daemon.store_seal import StoreSeal, sealed_backend, store_backend
 ETCD = "etcd://"
 ETCD_PREFIX = "/zen"  # every key of zen's under it: /zen/<cluster>/rdzv (torch's state), /zen/<cluster>/store/...
 ETCD_STATE_TTL_S = 24 * 3600  # torch re-writes the state at every heartbeat: only an abandoned cluster's expires
+# one request to one member (connect, then read): below the rendezvous' dead time (3 s at least), so that a
+# member whose host went dark costs a heartbeat's delay, not the members' standing (the client fails over)
+ETCD_REQUEST_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def etcd_members(address: str) -> list[tuple[str, int]] | None:
         host, _, port = part.strip().rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"rendezvous {address!r}: {part!r} is not HOST:PORT of an etcd member")
-        members.append((host.strip("[]"), int(port)))
+        members.append((host, int(port)))  # an IPv6 host keeps its brackets: python-etcd puts it in a URL
     return members
 
 
@@ -61,6 +65,7 @@ class TcpRounds:
         self.host, self.port = host, int(port)
         self.run_id, self.seal = f"zen-{cluster_id}", seal
         self.where = f"tcpstore://{host}:{port} (elastic)"
+        self.errors: tuple[type[BaseException], ...] = ()  # the store's own beyond torch's RuntimeErrors
 
     def connect(self, timeout_s: float, op_timeout_s: float) -> Any:
         """A client of the store, tried for up to `timeout_s`; its operations time out after op_timeout_s."""
@@ -84,6 +89,8 @@ class EtcdRounds:
     def __init__(self, members: list[tuple[str, int]], cluster_id: str, seal: StoreSeal, tls: RendezvousTls):
         self.members, self.cluster_id, self.seal, self.tls = members, cluster_id, seal, tls
         self.run_id = f"zen-{cluster_id}"
+        self.errors: tuple[type[BaseException], ...] = ()  # python-etcd's, once imported
+        self._inner: Any = None  # torch's backend: it follows each new client
         self.where = ("etcd://" + ",".join(f"{h}:{p}" for h, p in members) + (" (elastic, TLS)" if tls.on else
                                                                               " (elastic)"))
         self._client: Any = None
@@ -95,26 +102,31 @@ class EtcdRounds:
             from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
         except ImportError as exc:
             raise RendezvousTimeoutError(f"{self.where} needs python-etcd (pip install 'zen[etcd]'): {exc}") from None
+        self.errors = (etcd.EtcdException,)
+        members = random.sample(self.members, len(self.members))  # daemons spread over the members
         try:
             t = self.tls
-            self._client = etcd.Client(host=tuple(self.members), allow_reconnect=True,
-                                       protocol="https" if t.on else "http", ca_cert=t.ca_file or None,
-                                       cert=(t.cert_file, t.key_file) if t.cert_file else None,
-                                       read_timeout=max(1, round(min(timeout_s, op_timeout_s))))
-            self._client.machines  # noqa: B018 (a request: is any member there?)
+            client = etcd.Client(host=tuple(members), allow_reconnect=True, read_timeout=ETCD_REQUEST_S,
+                                 protocol="https" if t.on else "http", ca_cert=t.ca_file or None,
+                                 cert=(t.cert_file, t.key_file) if t.cert_file else None)
+            client.machines  # noqa: B018 (a request: is any member there?)
         except etcd.EtcdException as exc:
             raise RendezvousTimeoutError(f"could not reach any etcd member of {self.where}: {first_line(exc)}") \
                 from None
+        old, self._client = self._client, client
+        if self._inner is not None:  # a client that lost members from its list fails over no more: replace it
+            self._inner._client = client
+        if old is not None:
+            old.http.clear()
         return EtcdStore(self._client, f"{ETCD_PREFIX}/{self.cluster_id}/store",
                          timeout=timedelta(seconds=op_timeout_s))
 
     def backend(self, connection: Any) -> Any:
         from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 
-        client = self._client
-        inner = EtcdRendezvousBackend(client, self.run_id, key_prefix=f"{ETCD_PREFIX}/{self.cluster_id}/rdzv",
-                                      ttl=ETCD_STATE_TTL_S)
-        return sealed_backend(inner, f"torch.rendezvous.{self.run_id}", self.seal)
+        self._inner = EtcdRendezvousBackend(self._client, self.run_id, ttl=ETCD_STATE_TTL_S,
+                                            key_prefix=f"{ETCD_PREFIX}/{self.cluster_id}/rdzv")
+        return sealed_backend(self._inner, f"torch.rendezvous.{self.run_id}", self.seal)
 
 
 def open_rounds(address: str, cluster_id: str, seal: StoreSeal, tls: RendezvousTls) -> TcpRounds | EtcdRounds:

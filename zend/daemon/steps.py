@@ -170,10 +170,14 @@ class StepTable:
             return [s for s in self._open.values() if (s.key.job, s.key.tensor_id) == (key.job, key.tensor_id)
                     and s.key.step < key.step and not s.started]
 
-    def highest_open(self, job: str) -> int | None:
-        """The highest step of `job` a trainer of this node has submitted and that has not ended."""
+    def highest_open(self, job: str) -> dict[int, int]:
+        """tensor id -> the highest step of it (of `job`) a trainer of this node submitted that has not ended."""
         with self._lock:
-            return max((s.key.step for s in self._open.values() if s.key.job == job), default=None)
+            found: dict[int, int] = {}
+            for s in self._open.values():
+                if s.key.job == job:
+                    found[s.key.tensor_id] = max(found.get(s.key.tensor_id, s.key.step), s.key.step)
+            return found
 
     def in_flight(self) -> int:
         with self._lock:

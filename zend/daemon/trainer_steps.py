@@ -102,14 +102,14 @@ class TrainerSteps:
 
     def __init__(self, registry: JobRegistry, buffers: BufferLookup, metrics: DaemonMetrics, step_timeout_s: float,
                  max_submits_in_flight_per_job: int = 1024, state: Callable[[], NodeState] = lambda: SERVING,
-                 learn_job_step: Callable[[str, int], None] = lambda job, step: None):
+                 learn_step: Callable[[StepKey], None] = lambda key: None):
         self.registry, self.buffers, self.metrics = registry, buffers, metrics
         self.step_timeout_s = step_timeout_s
         self.max_submits_in_flight_per_job = max_submits_in_flight_per_job
         self._in_flight_by_job: dict[str, int] = {}  # job -> its submissions admitted and not yet released
         self.table = StepTable()
         self.state = state
-        self.learn_job_step = learn_job_step  # a step failed because this node is behind: where the job is
+        self.learn_step = learn_step  # a step failed because this node is behind: a step its tensor reached
         self._node: NodeSteps | None = None
         self._open_by_session: dict[tuple[str, int], int] = {}  # (session, tensor) -> step it waits for
         self._gone: dict[tuple[str, int], str] = {}  # (job, local rank) -> why its trainer left, until replaced
@@ -349,11 +349,11 @@ class TrainerSteps:
                                               state.local_world_size)
             except StepError as exc:
                 if exc.job_step is not None:  # this trainer is behind its node's others: where the job is
-                    self.learn_job_step(session.job, exc.job_step)
+                    self.learn_step(StepKey(session.job, state.tensor_id, exc.job_step))
                 raise
             overtaken = self.table.overtaken(key)
             if overtaken:
-                self.learn_job_step(session.job, step_no)
+                self.learn_step(key)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
             self._in_flight_by_job[session.job] = held + 1
             vacant = None if start or step.done.is_set() else self._vacancy(session.job)
@@ -375,9 +375,9 @@ class TrainerSteps:
                 self._abort_everywhere(earlier, behind)
         return step, (node if start else None)
 
-    def highest_open_step(self, job: str) -> int:
-        """The highest step of `job` that a trainer of this node submitted and that has not ended (0: none)."""
-        return self.table.highest_open(job) or 0
+    def open_steps_of(self, job: str) -> dict[int, int]:
+        """tensor id -> the highest step of it a trainer of this node submitted for `job` that has not ended."""
+        return self.table.highest_open(job)
 
     def vacancy(self, job: str) -> str | None:
         """Why `job` cannot step on this node until a trainer takes a place its trainer left, or None (Ready waits
@@ -450,7 +450,7 @@ class TrainerSteps:
             if not isinstance(exc, StepError):
                 log.exception("step %s of tensor %r failed", key.step, state.spec.name)
             if err.job_step is not None:  # before the error is out: the trainers' wait_ready must see it
-                self.learn_job_step(key.job, err.job_step)
+                self.learn_step(StepKey(key.job, key.tensor_id, err.job_step))
             self.metrics.count_error(err.code)
             log.warning("step failed", extra={"event": "step_failed", "job": key.job, "tensor": state.spec.name,
                                               "step": key.step, "code": err.code, "error": err.message})
