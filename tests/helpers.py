@@ -10,6 +10,7 @@ everywhere else.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -137,9 +138,22 @@ def launch_ranks(cluster: LocalCluster, script: list[str], job: str, per_node: i
             procs.append(subprocess.Popen([sys.executable, *script], env=rank_vars, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
     results = []
+    deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
-            results.append(p.communicate(timeout=timeout_s))
+            results.append(p.communicate(timeout=max(0.1, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:  # a hang: every rank's Python stacks (faulthandler on SIGABRT) say where
+        stacks = []
+        for rank, p in enumerate(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGABRT)
+            try:
+                _, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                err = "(no answer to SIGABRT)"
+            stacks.append(f"--- rank {rank} (exit {p.returncode}):\n{(err or '')[-4000:]}")
+        raise AssertionError(f"ranks of {script} still running after {timeout_s:g} s:\n" + "\n".join(stacks)) \
+            from None
     finally:
         for p in procs:
             p.kill()
