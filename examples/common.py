@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,16 @@ def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
                    help="with --backend zen|zen-hook: an in-memory checkpoint (model and optimiser, through zend; "
                         "zen.checkpoint) every K steps, and at start the newest one complete on every rank is loaded "
                         "(a restarted rank resumes there); 0: none")
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave without the interpreter's teardown, the process group destroyed and the output flushed:
+    gloo's worker threads can still hold work whose tensors reference Python objects, and freeing them
+    while the interpreter finalises aborts a rank that finished its job (SIGABRT, "terminate called
+    without an active exception"; seen in CI on the gloo baseline, pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def launch(script: str, args: argparse.Namespace, job: str) -> int:

@@ -20,11 +20,19 @@ wire for the embedding against a dense allreduce; `--json` prints one JSON line 
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 import torch
-from common import add_run_args, join_job, last_stats, launch, model_state, train_steps, wrap  # examples/common.py
+from common import (  # examples/common.py
+    add_run_args,
+    exit_process,
+    join_job,
+    last_stats,
+    launch,
+    model_state,
+    train_steps,
+    wrap,
+)
 from torch import nn
 
 from zend.simulator.traces import GPT2_VOCAB, TokenTrace
@@ -123,4 +131,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

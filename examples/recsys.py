@@ -29,14 +29,22 @@ from __future__ import annotations
 import argparse
 import bisect
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from common import add_run_args, join_job, last_stats, launch, model_state, train_steps, wrap  # examples/common.py
+from common import (  # examples/common.py
+    add_run_args,
+    exit_process,
+    join_job,
+    last_stats,
+    launch,
+    model_state,
+    train_steps,
+    wrap,
+)
 from torch import nn
 
 DATA = Path(__file__).resolve().parent / "data" / "ml-100k"
@@ -225,4 +233,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -600,6 +600,19 @@ class ZenProcessGroup(ProcessGroup):
         return self._inner([input]).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                                   opts or AllToAllOptions())
 
+    # torch's single-tensor collectives, called from Python, go straight to the inner backend's binding,
+    # which lets go of the GIL before gloo takes its queue lock; through the base class (torch 2.14) a rank
+    # hung for good in all_gather_into_tensor, beside a gloo thread that held a Python thread state
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        return self._inner([input])._allgather_base(output, input, opts or AllgatherOptions())
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        return self._inner([input])._reduce_scatter_base(output, input, opts or ReduceScatterOptions())
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._gloo.barrier(opts or BarrierOptions())
 

@@ -80,6 +80,9 @@ def dense_ops(rank: int, world: int) -> None:
     a2a = torch.empty(world)
     dist.all_to_all_single(a2a, torch.arange(world, dtype=torch.float32) + 10 * rank)
     assert a2a.tolist() == [10.0 * r + rank for r in range(world)], a2a
+    mine = torch.empty(1)
+    dist.reduce_scatter_tensor(mine, torch.arange(world, dtype=torch.float32) + rank)
+    assert mine.item() == world * rank + sum(range(world)), mine
     objs: list[object] = [None] * world
     dist.all_gather_object(objs, {"rank": rank})
     assert objs == [{"rank": r} for r in range(world)], objs
@@ -286,6 +289,8 @@ def main() -> None:
         raise SystemExit(f"unknown scenario {scenario!r}")
     dist.destroy_process_group()
     print("OK", flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown under gloo's threads (examples/common.py: exit_process)
 
 
 if __name__ == "__main__":

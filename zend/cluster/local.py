@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,9 +28,30 @@ from zend.protocol.health import health_status
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, for a server started a moment later. Drawn below the kernel's
+    ephemeral range: a port the kernel hands out (bind to 0) can become an outgoing connection's
+    source port before the server binds it ("Address already in use", seen in CI); one below the
+    range is only ever taken by a bind that names it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: the kernel's choice, as before
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
