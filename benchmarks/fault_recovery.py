@@ -15,6 +15,9 @@ one after the other, each after a few good steps:
   survivor's abort. recover: from the kill to every trainer's next good step (the members form
   a new generation; the restarted node's trainers open new sessions at the step the job is at,
   which the daemon tells them: `job_step`).
+- generation freeze: the daemon restart again, and node 0's daemon frozen (SIGSTOP) from the kill
+  until 6 s after the restart, while the members would form the new generation. recover: from
+  SIGCONT to every trainer's next good step.
 
     python benchmarks/fault_recovery.py --nodes 3,8 --rate-mbit 1000 [--peer-timeout-s 5] [--json]
 """
@@ -45,6 +48,7 @@ from zend.protocol.session import TrainerSession  # noqa: E402
 from zend.protocol.step import StepFailed  # noqa: E402
 
 ROWS, DIM = 20_000, 16
+GENERATION_FREEZE_S = 6.0
 TRAINER = """
 import sys, time, torch
 from zend.core.sparse import SparseGrad
@@ -172,6 +176,23 @@ def _faults(c: LocalCluster, n: int, peer_timeout_s: float) -> dict[str, float |
         everyone = list(trainers.values())
         wait_for(lambda: all(t.first("ok", t3) for t in everyone), 120, "a good step after the daemon restart")
         out["daemon_restart_recover_s"] = max(t.first("ok", t3) or 0 for t in everyone) - t3
+        # the same, and node 0's daemon frozen while the new generation forms, thawed 6 s later
+        wait_for(lambda: all(t.first("ok", time.monotonic() - 0.5) for t in everyone), 60, "steady again")
+        c.kill(n - 1)
+        c.send_signal(0, signal.SIGSTOP)
+        for r in range(2):
+            trainers.pop((n - 1, r)).stop = True
+        c.start_node(n - 1)
+        time.sleep(GENERATION_FREEZE_S)
+        t4 = time.monotonic()
+        c.send_signal(0, signal.SIGCONT)
+        c.wait_ready(n - 1, 120)
+        for r in range(2):
+            trainers[(n - 1, r)] = fresh = Trainer(c, n - 1, r, step=None)
+            fresh.thread.start()
+        everyone = list(trainers.values())
+        wait_for(lambda: all(t.first("ok", t4) for t in everyone), 120, "a good step after the thaw")
+        out["generation_freeze_recover_s"] = max(t.first("ok", t4) or 0 for t in everyone) - t4
     finally:
         for t in trainers.values():
             t.stop = True
@@ -197,10 +218,10 @@ def main() -> None:
     print(f"fault detection and recovery, peer timeout {args.peer_timeout_s:g} s, "
           f"{'loopback' if not args.rate_mbit else f'{args.rate_mbit:g} Mbit/s emulated'}; seconds")
     cols = ["freeze_detect_s", "freeze_recover_s", "trainer_kill_detect_s", "trainer_kill_recover_s",
-            "daemon_kill_detect_s", "daemon_restart_recover_s"]
-    print(f"{'n':>3} " + " ".join(f"{c[:-2]:>22}" for c in cols))
+            "daemon_kill_detect_s", "daemon_restart_recover_s", "generation_freeze_recover_s"]
+    print(f"{'n':>3} " + " ".join(f"{c[:-2]:>26}" for c in cols))
     for r in rows:
-        print(f"{r['n']:>3} " + " ".join(f"{r[c]:22.2f}" if r[c] is not None else f"{'held':>22}" for c in cols))
+        print(f"{r['n']:>3} " + " ".join(f"{r[c]:26.2f}" if r[c] is not None else f"{'held':>26}" for c in cols))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from tests.faults import FaultPlan
 from tests.helpers import poll_for
 from zend.core.sparse import SparseGrad
 from zend.daemon import errors as codes
+from zend.daemon import node_steps
 from zend.daemon.errors import StepError
 from zend.daemon.steps import StepKey
 from zend.protocol.layout import TensorSpec
@@ -382,6 +383,35 @@ def test_nodes_that_lose_each_other_after_every_round_1_word_hold_then_all_deliv
         assert isinstance(got, SparseGrad), (r, got)
         assert_close_to(got.to_dense(), full, torch.float32, 3)
     assert not redo and cluster.mailbox_messages() == 0
+
+
+def test_nodes_holding_on_each_other_deliver_as_soon_as_the_cut_heals_not_after_a_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freeze or a cut in round 2 leaves both sides holding, each waiting for the other's round-2 word
+    that went down with the old link. Each says its word again on the new link, so both deliver at the
+    heal; before, each waited REPLAY_GRACE_S (2 s: a frozen node's peers were back 1.9-2.3 s after the
+    thaw). The grace is made longer than the step timeout here: only the words said again end it."""
+    monkeypatch.setattr(node_steps, "REPLAY_GRACE_S", 60.0)
+    plan = FaultPlan(3)
+    for r, nth in [(2, 0), (2, 1), (0, 1), (1, 1)]:
+        plan.drop(r, tag="/all/", nth=nth)
+    plan.cut(2, op="recv", tag="/all/")
+    started, healed = time.monotonic(), []
+
+    def heal_when(out: dict[int, object]) -> bool:
+        if time.monotonic() - started > 1.0:
+            healed.append(time.monotonic())
+            return True
+        return False
+    cluster, first, redo = _partitioned_step(plan, heal_when)
+    took = time.monotonic() - healed[0]
+    full = reference_sum([grad_of(r, 0, rows=60, dim=3) for r in range(3)])
+    for r in range(3):
+        got = first[r]
+        assert isinstance(got, SparseGrad), (r, got)
+        assert_close_to(got.to_dense(), full, torch.float32, 3)
+    assert not redo and cluster.mailbox_messages() == 0
+    assert took < 4.0, f"the holds ended {took:.1f} s after the heal: they waited out the step timeout"
 
 
 def test_a_node_a_step_behind_at_a_tensors_first_step_learns_where_the_job_is_and_they_meet() -> None:

@@ -213,17 +213,25 @@ class NodeSteps:
     def _hold(self, channel: Channel, j: int, lost: CommError) -> None:
         """Node j was lost in round 2. It may have aborted (it lacked a round-1 word: behind a partition
         its abort reached nobody), or delivered, or be holding as we are. Wait for a new link to it: its
-        recent aborts come first on it (CommAborted: every node aborts), else its word, else nothing
-        within REPLAY_GRACE_S (it delivered, holds, or restarted and knows nothing of the step: it had
-        the result, so we deliver). If no link comes back (the step timeout passes, or the generation
-        ends and closes the transport), a crash is the likelier story: deliver, as before holding."""
+        recent aborts come first on it (CommAborted: every node aborts), else its word (a node holding on us
+        says it again on the new link, as we do), else nothing within REPLAY_GRACE_S (it delivered, or
+        restarted and knows nothing of the step: it had the result, so we deliver). If no link comes back
+        (the step timeout passes, or the generation ends and closes the transport), a crash is the likelier
+        story: deliver, as before holding."""
         log.warning("node %d lost during the commit of %s, after its vote: %s; holding the result until it "
                     "is back", j, channel.sync_id, lost)
         deadline = time.monotonic() + (channel.timeout_s or self.timeout_s or 60.0)
+        told = None  # the link on which this node's own word went again
         while (left := deadline - time.monotonic()) > 0:
             if not self.comm.wait_relinked(j, left):
                 break
             try:
+                if told != (epoch := self.comm.link_epoch(j)):
+                    # our word may have gone down with the old link, and j may be holding on us as we are on
+                    # it (a freeze or a cut in round 2 leaves both sides so): saying it again on the new link
+                    # ends j's hold at once instead of after REPLAY_GRACE_S; where j is done, it is discarded
+                    channel.send(j, "all", torch.ones(1, dtype=torch.uint8))
+                    told = epoch
                 channel.recv(j, "all", timeout_s=min(REPLAY_GRACE_S, max(0.01, deadline - time.monotonic())))
                 return
             except CommAborted:
