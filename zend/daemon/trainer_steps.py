@@ -351,7 +351,13 @@ class TrainerSteps:
                 if exc.job_step is not None:  # this trainer is behind its node's others: where the job is
                     self.learn_step(StepKey(session.job, state.tensor_id, exc.job_step))
                 raise
-            overtaken = self.table.overtaken(key)
+            overtaken = []  # its node's trainers are behind this one (restarted, a result lost): tell them
+            for earlier in self.table.overtaken(key):
+                behind = StepError(codes.ABORTED, f"step {earlier.key.step} of tensor {state.spec.name!r} aborted: "
+                                                  f"local rank {session.local_rank} of this node is at step "
+                                                  f"{step_no}; the job is at step {step_no}", job_step=step_no)
+                self.table.finish(earlier, error=behind)  # under _lock: no late trainer can start it meanwhile
+                overtaken.append((earlier, behind))
             if overtaken:
                 self.learn_step(key)
             self._open_by_session[(session.session_id, state.tensor_id)] = step_no
@@ -366,11 +372,7 @@ class TrainerSteps:
                 self._abort_everywhere(step, err)
             except Exception:  # the step has its error already; the caller must still get its ticket
                 log.exception("aborting step %s of tensor %r everywhere", step_no, state.spec.name)
-        for earlier in overtaken:  # its trainers are behind this one (restarted, a result lost): tell them
-            behind = StepError(codes.ABORTED, f"step {earlier.key.step} of tensor {state.spec.name!r} aborted: "
-                                              f"local rank {session.local_rank} of this node is at step {step_no}; "
-                                              f"the job is at step {step_no}", job_step=step_no)
-            self.table.finish(earlier, error=behind)
+        for earlier, behind in overtaken:
             with contextlib.suppress(Exception):  # the step has its error; the others must still hear of it
                 self._abort_everywhere(earlier, behind)
         return step, (node if start else None)
