@@ -32,6 +32,7 @@ from zend.transport.sealing import CHUNK
 
 SOCKET_BUFFER_BYTES = 8 << 20
 SMALL_FRAME_BYTES = 64 << 10  # a payload up to this comes with its tag in one read
+CONTROL_SEND_S = 1.0  # the most a heartbeat or goodbye may wait for room once it is sealed
 _NOTHING = torch.empty(0, dtype=torch.uint8)
 _LENGTH = struct.Struct("<I")
 log = logging.getLogger("zend.transport")
@@ -44,6 +45,25 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("connection closed by peer")
         got += n
+
+
+def send_within(link: Any, poller: Any, data: bytes, limit_s: float) -> None:
+    """Send all of `data` without blocking longer than limit_s in all (a heartbeat thread serves every
+    link: one peer that stops reading must not hold it, even in the rare case that the room poll saw
+    goes before the frame does). ConnectionError past the limit: a frame half-sent (or sealed, and so
+    numbered, and not sent) leaves the link's stream unusable, so the link is dropped."""
+    view, sent = memoryview(data), 0
+    deadline = time.monotonic() + limit_s
+    while sent < len(view):
+        try:
+            sent += link.send(view[sent:], socket.MSG_DONTWAIT)
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+            raise ConnectionError(f"a control frame could not be sent whole within {limit_s:g} s ({sent} of "
+                                  f"{len(view)} bytes): the peer reads nothing")
 
 
 def _advance(views: list[memoryview], n: int) -> None:
@@ -236,5 +256,5 @@ class TcpTransport(LinkTransport):
         poller.register(link, select.POLLOUT)
         if not poller.poll(0):
             return False
-        link.sendall(frames.head(kind, "", 0))
+        send_within(link, poller, frames.head(kind, "", 0), CONTROL_SEND_S)
         return True
