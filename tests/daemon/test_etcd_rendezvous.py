@@ -224,6 +224,43 @@ def test_a_state_blob_no_member_sealed_is_never_unpickled(etcd: EtcdCluster, tmp
             m.close()
 
 
+def test_old_rounds_keys_are_deleted_so_reads_do_not_grow_with_every_generation(etcd: EtcdCluster):
+    """torch's EtcdStore lists its whole directory at every read: the keys of every round a cluster ever
+    formed would be listed at every poll of every later round. The first member of a round that forms
+    deletes those of rounds before the previous one (which a slow member may still read); keys that are
+    not a round's stay."""
+    import etcd as python_etcd
+
+    from zend.daemon.elastic import ElasticRendezvous
+
+    raw = python_etcd.Client(host="127.0.0.1", port=etcd.ports[0][0])
+    stranger = "/zen/c/store/" + base64.b64encode(b"someone else's key").decode()
+    raw.write(stranger, "kept")
+
+    def member(rank: int) -> ElasticRendezvous:
+        return ElasticRendezvous(etcd.address, rank, 2, f"tcp://127.0.0.1:{7000 + rank}", cluster_id="c",
+                                 agreed={}, dead_after_s=3.0, timeout_s=60.0, secret=b"s" * 32)
+
+    def rounds_held() -> set[int]:
+        keys = [base64.b64decode(n.key.rsplit("/", 1)[-1]).decode() for n in raw.get("/zen/c/store").children]
+        return {int(k.split("/")[0].rsplit(".", 1)[1]) for k in keys if k.startswith("torch.rendezvous.zen-c.")}
+
+    members = [member(0), member(1)]
+    try:
+        generations = []
+        for _ in range(5):
+            joined = dict(enumerate(run_all([m.join for m in members])))
+            generations.append(joined[0].generation)  # type: ignore[attr-defined]
+        assert generations == [1, 2, 3, 4, 5], generations
+        newest = members[0].round
+        held = rounds_held()
+        assert newest in held and held <= {newest - 1, newest}, (newest, held)
+        assert raw.read(stranger).value == "kept"
+    finally:
+        for m in members:
+            m.close()
+
+
 class _Evil:
     def __init__(self, path: str):
         self.path = path

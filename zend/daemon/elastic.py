@@ -128,7 +128,10 @@ class ElasticRendezvous:
         with self._lock:
             try:
                 info = self._with_store(self._handler.next_rendezvous)
-                return self._publish(info.store, info.rank, info.world_size, job_steps or {})
+                membership = self._publish(info.store, info.rank, info.world_size, job_steps or {})
+                if info.rank == 0:
+                    self._forget_old_rounds()
+                return membership
             except RendezvousError as exc:
                 raise RendezvousTimeoutError(f"rank {self.rank}: no complete round of {self.min_nodes}-"
                                              f"{self.world_size} nodes at {self.where} within {self.timeout_s:g}s: "
@@ -136,6 +139,17 @@ class ElasticRendezvous:
             except store_errors as exc:
                 raise MembershipError(f"rank {self.rank}: the rendezvous store at {self.where} failed: "
                                       f"{first_line(exc)}") from None
+
+    def _forget_old_rounds(self) -> None:
+        """(the first member of a round that formed) Delete what rounds before the previous one left in the
+        store; the previous one's stay for a member still reading them. A failure costs only space."""
+        try:
+            gone = self.rounds.forget_rounds_before(self.round - 1)
+        except Exception as exc:
+            log.warning("could not delete old rounds' keys at %s: %s", self.where, first_line(exc))
+            return
+        if gone:
+            log.info("deleted %d keys of rounds before %d at %s", gone, self.round - 1, self.where)
 
     def waiting(self) -> int:
         """Daemons waiting to join (a restarted one): the members should `join` the next round."""

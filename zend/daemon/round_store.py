@@ -14,7 +14,10 @@ secret wrote (torch's backends unpickle whatever the store holds).
 
 from __future__ import annotations
 
+import binascii
 import random
+import re
+from base64 import b64decode
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -82,6 +85,11 @@ class TcpRounds:
     def backend(self, connection: Any) -> Any:
         return store_backend(connection, self.run_id, self.seal)
 
+    def forget_rounds_before(self, round_: int) -> int:
+        """Nothing: a TCPStore cannot list its keys, and what old rounds leave (a few hundred bytes a member)
+        is bounded by `zend store --max-memory-bytes`, past which the store restarts empty."""
+        return 0
+
 
 class EtcdRounds:
     """The rounds in an etcd cluster (python-etcd, as torch's etcd backend uses it)."""
@@ -127,6 +135,36 @@ class EtcdRounds:
         self._inner = EtcdRendezvousBackend(self._client, self.run_id, ttl=ETCD_STATE_TTL_S,
                                             key_prefix=f"{ETCD_PREFIX}/{self.cluster_id}/rdzv")
         return sealed_backend(self._inner, f"torch.rendezvous.{self.run_id}", self.seal)
+
+    def forget_rounds_before(self, round_: int) -> int:
+        """Delete the keys of every round before `round_` (the members' entries and torch's bootstrap keys,
+        `torch.rendezvous.<run>.<round>/...`); how many went. etcd keeps a key until it is deleted, and torch's
+        EtcdStore lists its whole directory at every read, so without this a long-lived cluster's reads
+        would grow with every generation it ever formed. Keys it did not write are left alone."""
+        import etcd
+
+        directory = f"{ETCD_PREFIX}/{self.cluster_id}/store"
+        ours = re.compile(rf"torch\.rendezvous\.{re.escape(self.run_id)}\.(\d+)/")
+        try:
+            listing = self._client.get(directory)
+        except etcd.EtcdKeyNotFound:
+            return 0
+        gone = 0
+        for node in listing.children:
+            if node.dir or node.key is None:
+                continue
+            try:
+                key = b64decode(node.key.rsplit("/", 1)[-1], validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                continue
+            found = ours.match(key)
+            if found is not None and int(found.group(1)) < round_:
+                try:
+                    self._client.delete(node.key)
+                except etcd.EtcdKeyNotFound:  # another member deleted it first
+                    continue
+                gone += 1
+        return gone
 
 
 def open_rounds(address: str, cluster_id: str, seal: StoreSeal, tls: RendezvousTls) -> TcpRounds | EtcdRounds:
