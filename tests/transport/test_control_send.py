@@ -9,6 +9,8 @@ import pytest
 
 from zend.transport.tcp import send_within
 
+pytestmark = pytest.mark.inprocess
+
 
 class Link:
     """A socket's send as a peer that reads in bursts: `room` bytes it takes now, then none until polled."""
