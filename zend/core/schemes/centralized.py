@@ -14,17 +14,31 @@ from zend.core import costmodel
 from zend.core.aggregate import sum_keyed
 from zend.core.codec import Encoding, decode_units, encode_units, read_header
 from zend.core.comm import Channel
-from zend.core.schemes.base import ExchangeScheme, ResultPlace, SyncResult, check_finite, finish, from_peer, recv_units
+from zend.core.schemes.base import (
+    ExchangeScheme,
+    ResultPlace,
+    SyncResult,
+    check_finite,
+    check_units,
+    finish,
+    from_peer,
+    recv_units,
+)
 from zend.core.sparse import SparseGrad
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (sorted row indices, values (nnz, row_len))
 
 
-def _send_rows(ch: Channel, dst: int, phase: str, rows: Rows, num_rows: int,
-               encodings: tuple[Encoding, ...], round_: int = 0) -> None:
+def _encode_rows(ch: Channel, phase: str, rows: Rows, num_rows: int, encodings: tuple[Encoding, ...]
+                 ) -> torch.Tensor:
     msg = encode_units(rows[0], rows[1], num_rows, encodings, keys_sorted=True)
     ch.note_encoding(phase, read_header(msg).kind.name)
-    ch.send(dst, phase, msg, round_)
+    return msg
+
+
+def _send_rows(ch: Channel, dst: int, phase: str, rows: Rows, num_rows: int,
+               encodings: tuple[Encoding, ...], round_: int = 0) -> None:
+    ch.send(dst, phase, _encode_rows(ch, phase, rows, num_rows, encodings), round_)
 
 
 def _recv_rows(ch: Channel, src: int, phase: str, grad: SparseGrad, round_: int = 0) -> Rows:
@@ -71,10 +85,12 @@ class HCScheme(ExchangeScheme):
         else:
             if me < extra:
                 rows = merge(rows, _recv_rows(ch, me + power, "fold", grad))
-            for level in range(power.bit_length() - 1):
+            for level in range(power.bit_length() - 1):  # a level is one round: one call to the communicator
                 partner = me ^ (1 << level)
-                _send_rows(ch, partner, "exchange", rows, grad.num_rows, self.encodings, level)
-                theirs = _recv_rows(ch, partner, "exchange", grad, level)
+                msg = _encode_rows(ch, "exchange", rows, grad.num_rows, self.encodings)
+                got = ch.exchange("exchange", [(partner, msg)], [partner], level)[0]
+                keys, values, _ = check_units(ch, partner, "exchange", got, grad.row_len, grad.num_rows, grad.dtype)
+                theirs = (keys, values)
                 rows = merge(rows, theirs) if me < partner else merge(theirs, rows)
             if me < extra:
                 _send_rows(ch, me + power, "unfold", rows, grad.num_rows, self.encodings)
@@ -101,9 +117,8 @@ class AGSparseScheme(ExchangeScheme):
         messages[me] = own
         nxt, prev = (me + 1) % n, (me - 1) % n
         forward = own
-        for step in range(n - 1):  # step s forwards the gradient of rank me - s
-            ch.send(nxt, "allgather", forward, step)
-            forward = ch.recv(prev, "allgather", step)
+        for step in range(n - 1):  # step s forwards the gradient of rank me - s: one round, one call
+            forward = ch.exchange("allgather", [(nxt, forward)], [prev], step)[0]
             messages[(me - step - 1) % n] = forward
         gathered: list[Rows] = []
         for origin, msg in enumerate(messages):
