@@ -6,8 +6,11 @@ The daemon side (BufferServer) runs in the test process; trainers are subprocess
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
+import logging
 import os
 import random
 import signal
@@ -321,6 +324,50 @@ def test_close_frees_everything_and_removes_the_socket(daemon: Daemon, cleanup: 
     with pytest.raises((ConnectionError, SharedBufferError)):
         alice.alloc(10)
     server.close()  # idempotent
+
+
+def memfds_named(name: str) -> list[str]:
+    """This process's descriptors on memfd `name` (the buffer's own, and each live mmap's copy of it)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}"):
+                found.append(fd)
+    return found
+
+
+@pytest.mark.inprocess
+def test_a_buffer_held_only_by_garbage_is_unmapped_when_its_session_ends_and_a_live_view_is_named(
+        daemon: Daemon, cleanup: list[Callable[[], None]], caplog: pytest.LogCaptureFixture) -> None:
+    """A view caught in a reference cycle (an exception's frames holding a step's parts: views into the
+    trainers' buffers) is garbage that only the collector frees, and a daemon whose trainers left may not
+    collect for hours: the session's memory, and the mmap's copy of its memfd, would outlive it. The
+    session's end collects when it left such mappings; a view still referenced is named in the log."""
+    server = daemon.server
+    alice, bob = client(cleanup, server.path, "alice"), client(cleanup, server.path, "bob")
+    a, b = alice.alloc(1 << 16).buffer_id, bob.alloc(1 << 16).buffer_id
+    held_a, held_b = server.get("alice", a), server.get("bob", b)
+    cycle: list[Any] = [held_a.view(torch.uint8, 0, 16)]
+    cycle.append(cycle)  # garbage once dropped: only the collector frees it
+    live = held_b.view(torch.uint8, 0, 16)
+    del cycle
+    gc.disable()  # the collector must not run by chance: the session's end has to
+    try:
+        assert memfds_named(f"zend-buffer-{a}")  # the daemon's descriptor and its mmap's, the client's too
+        alice.close()
+        poll_for(lambda: "alice" in daemon.closed, 5, "alice's session closed")
+        assert not held_a.still_mapped, "the garbage view kept the closed session's mapping"
+        assert memfds_named(f"zend-buffer-{a}") == []
+
+        with caplog.at_level(logging.WARNING, logger="zend.buffers"):
+            bob.close()
+            poll_for(lambda: "bob" in daemon.closed, 5, "bob's session closed")
+        assert held_b.still_mapped and len(memfds_named(f"zend-buffer-{b}")) == 1, "a live view keeps its mapping"
+        assert any(b in r.getMessage() and "still mapped" in r.getMessage() for r in caplog.records), caplog.text
+        del live
+        assert not held_b.still_mapped and memfds_named(f"zend-buffer-{b}") == []
+    finally:
+        gc.enable()
 
 
 # -- peers that misbehave ---------------------------------------------------------------------

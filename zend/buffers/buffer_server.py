@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import hmac
 import logging
 import os
@@ -571,8 +572,13 @@ class BufferServer:
                 conn.shutdown(socket.SHUT_RDWR)
         for buffer in buffers:
             buffer.close()
+        held = release_mappings(buffers)
         log.info("buffer socket: session %r (pid %s) closed, %d buffers (%d bytes) freed",
                  session_id, session.info.pid, len(buffers), freed)
+        if held:
+            log.warning("buffer socket: session %r closed, but %d of its buffers are still mapped here (%s): a "
+                        "view of them is still referenced; their memory goes with the last view",
+                        session_id, len(held), ", ".join(held[:4]))
         try:
             self._on_session_closed(session_id)
         except Exception:
@@ -590,6 +596,20 @@ class BufferServer:
             pass
         except OSError as exc:
             log.warning("buffer socket: cannot remove %s: %s", self.path, exc)
+
+
+def release_mappings(buffers: list[Any]) -> list[str]:
+    """The ids of closed `buffers` still mapped once garbage is collected.
+
+    A closed buffer's mapping (and the mmap's own copy of its descriptor) lives while any view of it
+    does. A view caught in a reference cycle (an exception's frames holding a step's parts, views into
+    the trainers' buffers) goes only when the collector runs, and in a daemon whose trainers left, with
+    little allocated, that may be never: a session's memory would outlive it. So when a session ends
+    holding such mappings, collect once (tens of ms, and only then)."""
+    if not any(getattr(b, "still_mapped", False) for b in buffers):
+        return []
+    gc.collect()
+    return [b.buffer_id for b in buffers if getattr(b, "still_mapped", False)]
 
 
 def _request(conn: socket.socket, ops: frozenset[str] = frozenset()) -> wire.Request:

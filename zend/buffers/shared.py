@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 from typing import Self
 
 import torch
@@ -64,6 +65,7 @@ class SharedBuffer:
         self._mm = mm
         self._lock = threading.Lock()
         self._readonly = False  # attach_readonly: a PROT_READ mapping
+        self._released: weakref.ref[mmap.mmap] | None = None  # the mapping, once closed: alive while views are
 
     @classmethod
     def create(cls, nbytes: int, buffer_id: str) -> Self:
@@ -198,9 +200,15 @@ class SharedBuffer:
         with self._lock:
             if self._mm is None:
                 return
+            self._released = weakref.ref(self._mm)
             self._mm = None  # unmapped by the mmap object's finaliser, after the last view
             os.close(self._fd)
             self._fd = -1
+
+    @property
+    def still_mapped(self) -> bool:
+        """Closed, and its mapping (with the mmap's own copy of the descriptor) still held by a view."""
+        return self._released is not None and self._released() is not None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
