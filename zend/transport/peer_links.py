@@ -135,13 +135,16 @@ class PeerLinks:
                 self._cond.wait(min(left, 0.2))
 
     def wait_connected(self, j: int, timeout_s: float) -> None:
-        """Block until rank j is (re)connected, e.g. after it restarted."""
+        """Block until rank j is (re)connected, e.g. after it restarted. CommError once closed, even where j's
+        link object is not yet marked down: a closed transport's links carry nothing (a commit holding on j
+        would otherwise go round until the step timeout, holding up the next generation)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self.peers[j].link is None:
+            while self.closed or self.peers[j].link is None:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.closed:
-                    raise CommError(f"rank {self.rank}: rank {j} not connected: {self.peers[j].error}")
+                    why = "this transport is closed (its generation ended)" if self.closed else self.peers[j].error
+                    raise CommError(f"rank {self.rank}: rank {j} not connected: {why}")
                 self._cond.wait(min(left, 0.1))
 
     def live_link(self, dst: int) -> Peer:
