@@ -286,8 +286,10 @@ class _Call:
         self.group._call_done(self, None)
 
     def _fail_locked(self, error: BaseException) -> None:
-        self.result.set_exception(error)
+        # the group keeps the typed error before the future fails: DDP's backward() raises as soon as it
+        # does, and the training loop's reraise() must find the error there (it found none, now and then)
         self.group._call_done(self, error)
+        self.result.set_exception(error)
 
 
 class ZenProcessGroup(ProcessGroup):
