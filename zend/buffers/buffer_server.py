@@ -572,17 +572,17 @@ class BufferServer:
                 conn.shutdown(socket.SHUT_RDWR)
         for buffer in buffers:
             buffer.close()
-        held = release_mappings(buffers)
         log.info("buffer socket: session %r (pid %s) closed, %d buffers (%d bytes) freed",
                  session_id, session.info.pid, len(buffers), freed)
-        if held:
-            log.warning("buffer socket: session %r closed, but %d of its buffers are still mapped here (%s): a "
-                        "view of them is still referenced; their memory goes with the last view",
-                        session_id, len(held), ", ".join(held[:4]))
         try:
             self._on_session_closed(session_id)
         except Exception:
             log.exception("buffer socket: on_session_closed(%r) failed", session_id)
+        held = release_mappings(buffers)  # after the daemon hears (its local rank is free again): a collection
+        if held:  # takes tens of ms
+            log.warning("buffer socket: session %r closed, but %d of its buffers are still mapped here (%s): a "
+                        "view of them is still referenced; their memory goes with the last view",
+                        session_id, len(held), ", ".join(held[:4]))
 
     def _unlink_socket(self) -> None:
         """Remove the socket file if it is still the one we bound (not a later daemon's)."""
