@@ -89,8 +89,7 @@ class HCScheme(ExchangeScheme):
                 partner = me ^ (1 << level)
                 msg = _encode_rows(ch, "exchange", rows, grad.num_rows, self.encodings)
                 got = ch.exchange("exchange", [(partner, msg)], [partner], level)[0]
-                keys, values, _ = check_units(ch, partner, "exchange", got, grad.row_len, grad.num_rows, grad.dtype)
-                theirs = (keys, values)
+                theirs = check_units(ch, partner, "exchange", got, grad.row_len, grad.num_rows, grad.dtype)[:2]
                 rows = merge(rows, theirs) if me < partner else merge(theirs, rows)
             if me < extra:
                 _send_rows(ch, me + power, "unfold", rows, grad.num_rows, self.encodings)
