@@ -3,8 +3,10 @@
 n ranks, one per network namespace behind a rate-limited link (zend/cluster/netns.py), a zend daemon
 in each namespace for the zen runs. In the same run and on the same namespaces:
   zen            plain DDP on the "zen" torch.distributed backend: the sparse tables through the
-                 daemons, dense buckets by the backend's inner gloo group
+                 daemons (a backward pass's tables fused into one step per width), dense buckets by
+                 the backend's inner gloo group
   zen hook       DDP on gloo with zen.comm_hook: the same split
+  ... unfused    the same with ZEN_FUSE=0: a zen step per sparse bucket
   zen+topk       the hook, dense buckets top-k (1%) with error feedback through the daemons (gpt only)
   gloo sparse    plain DDP: torch's own sparse allreduce for the tables, gloo allreduce for the rest
   gloo dense     plain DDP with dense tables
@@ -35,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"zen": ["--backend", "zen"], "zen ckpt": ["--backend", "zen", "--checkpoint-every", "1"],
         "zen hook": ["--backend", "zen-hook"],
         "zen+topk": ["--backend", "zen-hook", "--dense", "topk"],
+        "zen unfused": ["--backend", "zen"], "zen hook unfused": ["--backend", "zen-hook"],
         "gloo sparse": ["--backend", "gloo"], "gloo dense": ["--backend", "gloo-dense"], "local": ["--backend", "gloo"]}
+RUN_ENV = {"zen unfused": {"ZEN_FUSE": "0"}, "zen hook unfused": {"ZEN_FUSE": "0"}}  # a step per sparse bucket
 EXAMPLES = {  # script, model arguments, the runs it offers
     "gpt": ("examples/gpt_sparse.py", ["--layers", "1", "--context", "64", "--batch", "4"], list(RUNS)),
     "gpt-sampled": ("examples/gpt_sparse.py", ["--layers", "1", "--context", "64", "--batch", "4", "--sampled",
@@ -61,7 +65,8 @@ def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path
             master = emulated.address(rank if alone else 0)  # type: ignore[attr-defined]
             env = {**os.environ, "MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": "0" if alone else str(rank),
                    "WORLD_SIZE": "1" if alone else str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                   "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0"}
+                   "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0",
+                   **RUN_ENV.get(name, {})}
             if cluster is not None:
                 env.update(ZEN_SOCKET_DIR=cluster.socket_dir(rank), ZEN_JOB="bench",
                            ZEN_JOB_TOKEN=cluster.token("bench"))

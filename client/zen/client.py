@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +103,7 @@ class Client:
         self.generation = self._session.generation
         self.job_step = self._session.job_step  # where the job is (a trainer restarted mid-job resumes there)
         self._tensors: dict[str, _Tensor] = {}
+        self._fused_into: dict[str, str] = {}  # a tensor's name -> the fused step it last went in (last_stats)
         self._topk: dict[float, TopKCompressor] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="zen-client")
@@ -289,6 +290,8 @@ class Client:
             fused = f"fused:{hashlib.sha1(key.encode()).hexdigest()[:16]}"
             rows, vals = self.allreduce((indices, values), name=fused, num_rows=offsets[-1], average=average,
                                         timeout_s=timeout_s)
+            for i in members:
+                self._fused_into[names[i]] = fused
             cuts = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()  # rows come sorted
             for j, (i, t) in enumerate(zip(members, parts, strict=True)):
                 lo, hi = cuts[j], cuts[j + 1]
@@ -298,8 +301,9 @@ class Client:
         return [t for t in out if t is not None]
 
     def last_stats(self, name: str) -> StepStats | None:
-        """The daemon's figures for tensor `name`'s last completed step (None before its first)."""
-        entry = self._tensors.get(name)
+        """The daemon's figures for tensor `name`'s last completed step (None before its first); for a
+        tensor synchronised fused (allreduce_many), its fused step's."""
+        entry = self._tensors.get(self._fused_into.get(name, name))
         return entry.stats if entry is not None else None
 
     def allreduce_async(self, tensor: torch.Tensor | Indexed, **kwargs: Any) -> torch.futures.Future[Any]:
@@ -308,8 +312,18 @@ class Client:
         CUDA tensors: the step starts once the caller's current stream has written them (an event recorded
         here, waited on by the worker thread), and the future completes once the result's copies on the
         worker's stream are done, so any stream of the caller may read it."""
+        return self._on_worker(lambda: self.allreduce(tensor, **kwargs), _cuda_device_of(tensor))
+
+    def allreduce_many_async(self, tensors: Sequence[torch.Tensor], *, names: Sequence[str], average: bool = False,
+                             timeout_s: float | None = None) -> torch.futures.Future[list[torch.Tensor]]:
+        """Like allreduce_many, returning a torch Future of the list (CUDA streams as in allreduce_async)."""
+        device = next((d for d in map(_cuda_device_of, tensors) if d is not None), None)
+        return self._on_worker(lambda: self.allreduce_many(tensors, names=names, average=average,
+                                                           timeout_s=timeout_s), device)
+
+    def _on_worker(self, call: Callable[[], Any], device: torch.device | None) -> torch.futures.Future[Any]:
+        """`call()` on the client's worker threads, its result or error in the returned Future."""
         future: torch.futures.Future[Any] = torch.futures.Future()
-        device = _cuda_device_of(tensor)
         written = None
         if device is not None:
             written = torch.cuda.Event()
@@ -319,7 +333,7 @@ class Client:
             try:
                 if written is not None:
                     written.synchronize()
-                out = self.allreduce(tensor, **kwargs)
+                out = call()
                 if device is not None:
                     torch.cuda.current_stream(device).synchronize()
                 future.set_result(out)

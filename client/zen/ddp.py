@@ -3,7 +3,11 @@
     ddp.register_comm_hook(zen.HookState(client, ddp.module), zen.comm_hook)
 
 Sparse buckets (nn.Embedding(sparse=True) parameters get a bucket each) go through the zen
-daemon; dense buckets go through torch's own allreduce on DDP's process group, or, with
+daemon, fused: the hook holds each until DDP's last bucket of the backward pass
+(`GradBucket.is_last()`), then sends them all as one step per dtype and row width
+(`Client.allreduce_many`), so the daemon's fixed cost and the commit's rounds are paid once
+per iteration, not once per table (`fuse=False`: a step per bucket as it comes, overlapping
+the rest of the backward pass). Dense buckets go through torch's own allreduce on DDP's process group, or, with
 `dense="topk"`, through the daemon as top-k values with error feedback. DDP stops dividing
 by the world size once a hook is registered, so the hook averages. torch's DDP itself refuses
 a sparse parameter left unused in a step (even with find_unused_parameters=True); for models
@@ -12,7 +16,9 @@ that have them, `sync_gradients` without DDP handles it.
 
 # no `from __future__ import annotations`: DDP checks comm_hook's annotations as objects
 import hashlib
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +26,15 @@ from torch import nn
 
 from zen.client import Client
 from zen.errors import behind
+from zen.fusion import fuse_setting
+
+
+@dataclass
+class _Held:
+    buffer: torch.Tensor
+    name: str
+    result: torch.futures.Future[Any]  # Any: the stubs type set_exception's argument as the result
+    backward_pass: int  # autograd's graph task: a bucket of an earlier pass left held was never sent
 
 
 @dataclass
@@ -32,10 +47,14 @@ class HookState:
     topk_ratio: float = 0.01
     process_group: dist.ProcessGroup | None = None
     prefix: str = "ddp"  # give each DDP model of a job its own
+    fuse: bool | None = None  # a pass's sparse buckets as one step at its last bucket (the module's text);
+    # default: yes, unless ZEN_FUSE=0
     error: BaseException | None = field(default=None, init=False)  # the zen error that failed a bucket
     _param_names: dict[int, str] = field(default_factory=dict)
+    _held: list[_Held] = field(default_factory=list, init=False)  # sparse buckets waiting for the pass's last
 
     def __post_init__(self) -> None:
+        self.fuse = fuse_setting(self.fuse, os.environ)
         if self.dense not in ("torch", "topk"):
             raise ValueError(f"dense={self.dense!r}: choose 'torch' or 'topk'")
         if not 0 < self.topk_ratio <= 1:
@@ -72,6 +91,13 @@ class HookState:
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     name = state.bucket_name(bucket)
+    if buffer.is_sparse and state.fuse:
+        held = _hold(state, buffer, name)
+        if bucket.is_last():
+            _send_held(state)
+        return _noting_errors(state, held)
+    if state.fuse and bucket.is_last():  # DDP calls the hook in bucket order: nothing of this pass comes after
+        _send_held(state)
     if buffer.is_sparse:
         return _noting_errors(state, state.client.allreduce_async(buffer, name=name, average=True))
     if state.dense == "topk":
@@ -81,6 +107,40 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     world = dist.get_world_size(group)
     work = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _hold(state: HookState, buffer: torch.Tensor, name: str) -> torch.futures.Future[torch.Tensor]:
+    """Keep a sparse bucket for the pass's fused step; its future completes with that step."""
+    backward_pass = torch._C._current_graph_task_id()
+    stale = [h for h in state._held if h.backward_pass != backward_pass]
+    if stale:  # its pass ended before its last bucket (a hook or the backward failed): it was never sent
+        state._held = [h for h in state._held if h.backward_pass == backward_pass]
+        for h in stale:
+            h.result.set_exception(RuntimeError(f"zen.comm_hook: bucket {h.name!r} of an earlier backward pass was "
+                                                "never sent: that pass stopped before its last bucket"))
+    held = _Held(buffer, name, torch.futures.Future(), backward_pass)
+    state._held.append(held)
+    return held.result
+
+
+def _send_held(state: HookState) -> None:
+    """The held sparse buckets, in the order DDP gave them (the same on every rank), as one step per kind."""
+    held, state._held = state._held, []
+    if not held:
+        return
+    sums = state.client.allreduce_many_async([h.buffer for h in held], names=[h.name for h in held], average=True)
+
+    def spread(done: torch.futures.Future[list[torch.Tensor]]) -> None:
+        try:
+            totals = done.value()
+        except BaseException as exc:
+            for h in held:
+                h.result.set_exception(exc)
+            return
+        for h, total in zip(held, totals, strict=True):
+            h.result.set_result(total)
+
+    sums.add_done_callback(spread)
 
 
 def _noting_errors(state: HookState, future: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:

@@ -10,6 +10,9 @@ What each op does:
   number of sparse dims (linearised into one row index), dense trailing dims, uncoalesced input,
   fp32/fp16/bf16 values, CPU or CUDA tensors. A list of tensors is summed locally first, as gloo
   does. The inputs are updated in place and also returned by `work.result()` / `get_future()`.
+  Inside a backward pass (DDP's sparse buckets), calls that repeat the previous pass's order are
+  held until its last and go as one step per dtype and row width (zen/fusion.py): the daemon's
+  fixed cost and the commit's rounds once per iteration. `Options(fuse=False)`: a step per call.
 - `all_reduce` of dense tensors: the inner group, unless `Options(dense="ring" | "topk")` (or
   ZEN_DENSE_ALLREDUCE=ring|topk) sends SUM/AVG ones through the daemon too.
 - Every other collective (broadcast, allgather, reduce_scatter, all_to_all, barrier, send/recv):
@@ -41,7 +44,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -66,6 +69,7 @@ from torch.profiler import record_function
 
 from zen.client import Client, StepStats, checked_rows
 from zen.errors import OutOfOrder, StepAborted, StepTimeout, ZenError, behind
+from zen.fusion import PassFusion, fuse_setting
 from zend.core import dtypes
 from zend.core.topk import TopKCompressor
 
@@ -87,6 +91,8 @@ class Options:
     dense: str | None = None  # "inner" (gloo/NCCL, the default), "ring" or "topk": dense SUM/AVG via zend
     topk_ratio: float = 0.01  # with dense="topk": the share of values sent, with error feedback
     check_order: bool = True  # compare every rank's call before trusting a zen step's identity
+    fuse: bool | None = None  # a backward pass's sparse calls as one step (zen/fusion.py; default: yes,
+    # unless ZEN_FUSE=0)
     cuda_inner: str | None = None  # dense CUDA collectives: "nccl" (default where available) or "gloo"
     client: Client | None = None  # default: one zen.Client per process, from the sidecar's environment
 
@@ -123,9 +129,10 @@ def name(tensor: torch.Tensor, hint: str) -> torch.Tensor:
 class ZenWork(dist.Work):
     """The handle torch hands back for an async collective; `wait()` raises zen's typed errors."""
 
-    def __init__(self, future: torch.futures.Future[Any]):
+    def __init__(self, future: torch.futures.Future[Any], on_wait: Callable[[], None] | None = None):
         super().__init__()
         self._future = future
+        self._on_wait = on_wait  # a call held for fusion: waiting on it sends it
         # what C++ callers (DDP's reducer) get: the same outcome, the error set by torch's own `then`.
         # A Python exception set on a future directly crashes the reducer that reads it (SIGSEGV in
         # backward, torch 2.13); one raised in a `then` callback reaches backward() as RuntimeError.
@@ -133,6 +140,8 @@ class ZenWork(dist.Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if self._on_wait is not None and not self._future.done():
+            self._on_wait()
         if seconds > 0 and not _done_within(self._future, seconds):
             raise StepTimeout(f"zen collective not done within {seconds:g} s (Work.wait timeout)")
         self._future.wait()  # raises the error that failed it, typed
@@ -300,6 +309,7 @@ class ZenProcessGroup(ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs know only the store overload
         self.options = options or Options()
         self.dense = self.options.dense_mode()
+        self.fuse = fuse_setting(self.options.fuse, os.environ)
         self.timeout = timeout
         self.group_id = group_id
         self.prefix = f"pg{group_id}."
@@ -336,6 +346,8 @@ class ZenProcessGroup(ProcessGroup):
         self._pass: tuple[int, dict[str, int]] = (-1, {})  # the backward pass calls came from, and its counts
         self._warned: set[str] = set()
         self._topk = TopKCompressor(self.options.topk_ratio)
+        self._fusion: PassFusion[_Member] = PassFusion()  # under _lock
+        self._pass_end_queued = -1  # the backward pass whose end sends what is still held
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"zen-pg{group_id}")
         self._closed = False
 
@@ -383,10 +395,69 @@ class ZenProcessGroup(ProcessGroup):
                 t.copy_(total)
             return tensors
 
+        task = torch._C._current_graph_task_id()
+        if self.fuse and task >= 0 and getattr(first, _HINT, None) is None:
+            return self._fused_or_held(task, _Member(zen_name, rows, values, num_rows, average, deliver, first))
         with record_function(f"zen.all_reduce[{zen_name}]"):
             return self._submit(zen_name, lambda: self.client.allreduce(
                 (rows, values), name=zen_name, num_rows=num_rows, average=average,
                 timeout_s=self.timeout.total_seconds()), deliver, first)
+
+    # ------------------------------------------------------------------ fusion (zen/fusion.py)
+    def _fused_or_held(self, task: int, member: _Member) -> ZenWork:
+        """A sparse call of backward pass `task`: held for the pass's fused step, or sent now with
+        what was held before it."""
+        with self._lock:
+            batch = self._fusion.arrive(task, member.zen_name, member)
+            queue_end = not batch and self._pass_end_queued != task
+            if queue_end:
+                self._pass_end_queued = task
+        if queue_end:  # a pass that stops short of the learned order still sends what it held, at its end
+            torch.autograd.Variable._execution_engine.queue_callback(self._send_held)
+        if not batch:
+            return ZenWork(member.result, on_wait=self._send_held)
+        self._send_members(batch)
+        return ZenWork(member.result)
+
+    def _send_held(self) -> None:
+        with self._lock:
+            held = self._fusion.release()
+        if held:
+            self._send_members(held)
+
+    def _send_members(self, members: list[_Member]) -> None:
+        """One zen step for one call; for several, one `allreduce_many` per op (and, in it, one step per
+        dtype and row width). Each call's own future completes with its own tensors."""
+        for average in (False, True):
+            part = [m for m in members if m.average == average]
+            if len(part) == 1:
+                self._send_one(part[0])
+            elif part:
+                self._send_fused(part, average)
+
+    def _send_one(self, m: _Member) -> None:
+        with record_function(f"zen.all_reduce[{m.zen_name}]"):
+            work = self._submit(m.zen_name, lambda: self.client.allreduce(
+                (m.rows, m.values), name=m.zen_name, num_rows=m.num_rows, average=m.average,
+                timeout_s=self.timeout.total_seconds()), m.deliver, m.like)
+        _pass_on(work._future, [m])
+
+    def _send_fused(self, part: list[_Member], average: bool) -> None:
+        tensors = [torch.sparse_coo_tensor(m.rows.unsqueeze(0), m.values, (m.num_rows, *m.values.shape[1:]),
+                                           check_invariants=False) for m in part]  # rows: _linearise's, in range
+        names = [m.zen_name for m in part]
+
+        def compute() -> Any:
+            return self.client.allreduce_many(tensors, names=names, average=average,
+                                              timeout_s=self.timeout.total_seconds())
+
+        def deliver(sums: list[torch.Tensor]) -> Any:
+            return [m.deliver((total._indices()[0], total._values())) for m, total in zip(part, sums, strict=True)]
+
+        label = f"{self.prefix}fused[{','.join(n.removeprefix(self.prefix) for n in names)}]"
+        with record_function(f"zen.all_reduce[{label}]"):
+            work = self._submit(label, compute, deliver, part[0].like, tensors=names)
+        _pass_on(work._future, part, each=True)
 
     def _dense_via_zen(self, tensors: list[torch.Tensor], op: Any) -> dist.Work:
         first = tensors[0]
@@ -445,9 +516,10 @@ class ZenProcessGroup(ProcessGroup):
         return self.prefix + identity + (f"#{k}" if k else "")
 
     def _submit(self, zen_name: str, compute: Callable[[], Any], deliver: Callable[[Any], list[torch.Tensor]],
-                like: torch.Tensor) -> ZenWork:
+                like: torch.Tensor, tensors: Sequence[str] = ()) -> ZenWork:
         """Queue one zen step of `zen_name` behind the previous one (a name has one step in flight),
-        with the order check of this call beside it."""
+        with the order check of this call beside it. `tensors`: the zen tensors a fused call carries
+        (what last_stats reports), else the call's own name."""
         check = self.options.check_order and self.size() > 1
         call = _Call(self, zen_name, compute, deliver, like.device if like.is_cuda else None, checked=not check)
         with self._lock:
@@ -455,7 +527,7 @@ class ZenProcessGroup(ProcessGroup):
                 raise ZenError(f"zen process group {self.group_id} is shut down")
             seq = self._calls
             self._calls += 1
-            self._names.add(zen_name)
+            self._names.update(tensors or [zen_name])
             self._pending.add(call)
             previous = self._tails.get(zen_name)
             self._tails[zen_name] = call
@@ -658,6 +730,10 @@ class ZenProcessGroup(ProcessGroup):
                 return
             self._closed = True  # no new calls from here on
             pending, tails = list(self._pending), list(self._tails.values())
+            held = self._fusion.release()
+        for m in held:  # never sent: the step of their pass will not come
+            m.result.set_exception(StepAborted(f"zen process group {self.group_id} closed before {m.zen_name!r} "
+                                               "was sent (held for its backward pass's fused step) [ABORTED]"))
         if wait:  # every lane to its end: the steps queued behind others run too
             for call in tails:
                 call.lane.wait()
@@ -679,6 +755,36 @@ class ZenProcessGroup(ProcessGroup):
     def _release_client(self) -> None:
         if self._owns_client and self.client is not None:
             _SHARED.release(self.client)
+
+
+@dataclass
+class _Member:
+    """A sparse call of a backward pass, as fusion holds it: what to send, and where its sum goes."""
+
+    zen_name: str
+    rows: torch.Tensor
+    values: torch.Tensor
+    num_rows: int
+    average: bool
+    deliver: Callable[[Any], list[torch.Tensor]]
+    like: torch.Tensor
+    result: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+
+
+def _pass_on(done: torch.futures.Future[Any], members: list[_Member], each: bool = False) -> None:
+    """The outcome of the step the members went in, to each member's own future (`each`: the step's
+    value is one per member)."""
+    def spread(fut: torch.futures.Future[Any]) -> None:
+        try:
+            value = fut.value()
+        except BaseException as exc:
+            for m in members:
+                m.result.set_exception(exc)
+            return
+        for i, m in enumerate(members):
+            m.result.set_result(value[i] if each else value)
+
+    done.add_done_callback(spread)
 
 
 # ---------------------------------------------------------------------------------------- helpers (pure)

@@ -28,7 +28,7 @@ def cluster2(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.daemon
-def test_ddp_hook_gives_plain_ddps_gradients_with_unused_embeddings_and_topk(cluster2):
+def test_ddp_hook_gives_plain_ddps_gradients_with_unused_embeddings_topk_and_fused_steps(cluster2):
     launch_ranks(cluster2, [str(ROOT / "tests/client/worker.py"), "ddp"], "ddp")
 
 
@@ -173,13 +173,15 @@ def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
         with zen.Client(cluster2.socket_dir(node), job="fused", token=cluster2.token("fused")) as client:
             fused = client.allreduce_many(tensors(node), names=names)
             one_by_one = [client.allreduce(t, name=f"single-{n}") for t, n in zip(tensors(node), names, strict=True)]
-            return fused, one_by_one, client.last_stats(names[0])
+            return fused, one_by_one, [client.last_stats(n) for n in names]
 
     results = run_all([lambda n=n: trainer(n) for n in range(2)])
     assert all(not isinstance(r, BaseException) for r in results), results
     expected = [sum(tensors(n)[i].to_dense().float() for n in range(2)) for i in range(len(names))]
     for fused, one_by_one, stats in results:
-        assert stats is None  # the members were never synchronised under their own names
+        # a member's figures are its fused step's: a and b (float32, width 4) went in one, c in another
+        assert stats[0] is not None and stats[0] is stats[1] and stats[2] is not stats[0], stats
+        assert [s.step for s in stats if s is not None] == [0] * len(names)
         for i, (f, single) in enumerate(zip(fused, one_by_one, strict=True)):
             assert f.shape == tensors(0)[i].shape and f.dtype == tensors(0)[i].dtype and f.is_coalesced()
             torch.testing.assert_close(f.to_dense().float(), expected[i], rtol=2e-2, atol=2e-2)
@@ -190,7 +192,8 @@ def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
 
 
 @pytest.mark.daemon
-def test_a_failed_bucket_comes_back_to_the_training_loop_typed():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_failed_bucket_comes_back_to_the_training_loop_typed(fuse):
     """DDP turns a hook's failure into a RuntimeError; HookState.reraise gives zen's typed error back."""
     script = (
         "import os, torch, torch.distributed as dist, zen\n"
@@ -202,9 +205,11 @@ def test_a_failed_bucket_comes_back_to_the_training_loop_typed():
         "        f = torch.futures.Future()\n"
         "        f.set_exception(zen.StepAborted(\"step 4 of tensor 'emb' aborted: node 1 lost [ABORTED]\"))\n"
         "        return f\n"
+        "    def allreduce_many_async(self, tensors, **kwargs):\n"
+        "        return self.allreduce_async(tensors[0])\n"
         "model = nn.Embedding(10, 4, sparse=True)\n"
         "ddp = nn.parallel.DistributedDataParallel(model)\n"
-        "state = zen.HookState(Aborting(), model)\n"
+        f"state = zen.HookState(Aborting(), model, fuse={fuse})\n"
         "ddp.register_comm_hook(state, zen.comm_hook)\n"
         "try:\n"
         "    ddp(torch.tensor([1, 2])).sum().backward()\n"

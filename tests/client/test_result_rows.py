@@ -55,6 +55,7 @@ def test_allreduce_many_checks_each_tensors_rows() -> None:
     """Two tensors fused (rows 0-9, then 10-13): the result is cut where the second begins, which takes
     sorted rows; unsorted, the second tensor's part would hold row 5 - 10."""
     client = Client.__new__(Client)
+    client._fused_into = {}
     answer = (torch.tensor([1, 12, 5]), torch.ones(3, 2))
     client.allreduce = lambda *a, **k: answer  # type: ignore[method-assign]
     a = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (ROWS, 2), check_invariants=True)
@@ -71,7 +72,7 @@ def test_the_torch_backend_checks_the_rows_before_it_builds_the_sum() -> None:
     row past the end of the tensor's folded rows."""
     answer: list[Any] = [(torch.tensor([0, 7 * 3]), torch.ones(2, 2))]  # a (7, 3, 2) tensor folds to 21 rows
     group = SimpleNamespace(
-        prefix="pg0.", timeout=timedelta(seconds=5), _zen_carries=lambda t, what: True,
+        prefix="pg0.", timeout=timedelta(seconds=5), fuse=False, _zen_carries=lambda t, what: True,
         _name_of=lambda identity, t: "pg0." + identity,
         client=SimpleNamespace(allreduce=lambda *a, **k: answer[0]),
         _submit=lambda name, compute, deliver, like: deliver(compute()))

@@ -75,7 +75,9 @@ def test_two_tables_under_sparse_adam_train_as_on_gloo_whatever_the_scheme(tmp_p
     """A word2vec-like model (two same-shaped sparse tables, SparseAdam) under DDP on the zen backend,
     each scheme in turn on the daemons: the same losses as DDP on gloo at every step. A scheme that
     returned rows nobody sent (zeros) would make SparseAdam move them, and the losses part. The
-    daemons see two tensors, one per table."""
+    daemons see one tensor per table, stepped while the backend learns the pass's order (the first
+    pass, and the second when DDP rebuilt its buckets), and then one fused tensor of both, stepped
+    once per pass for the rest."""
     import json
 
     with LocalCluster(2, tmp_path, extra=[*EXTRA, "--scheme", scheme]) as c:
@@ -87,8 +89,13 @@ def test_two_tables_under_sparse_adam_train_as_on_gloo_whatever_the_scheme(tmp_p
                              capture_output=True, text=True, timeout=60, env=c.env)
         assert run.returncode == 0, run.stderr
         tensors = [t for t in json.loads(run.stdout)["tensors"] if t["job_id"] == "w2v"]
-    assert sorted(t["name"] for t in tensors) == sorted(next(iter(names))), tensors
-    assert all(t["steps"] == 10 for t in tensors), tensors
+    tables = [t for t in tensors if not t["name"].startswith("fused:")]
+    fused = [t for t in tensors if t["name"].startswith("fused:")]
+    assert sorted(t["name"] for t in tables) == sorted(next(iter(names))), tensors
+    assert len(fused) == 1 and fused[0]["shape"] == [400, 8], tensors  # both tables, one after the other
+    learning = {t["steps"] for t in tables}
+    assert len(learning) == 1 and learning <= {1, 2}, tensors
+    assert fused[0]["steps"] == 10 - learning.pop(), tensors  # a step per pass, every pass
 
 
 @pytest.mark.daemon

@@ -44,13 +44,14 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, 500, (4, 6), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def ddp_hook_matches_plain_ddp(client: zen.Client, rank: int, dense: str) -> None:
+def ddp_hook_matches_plain_ddp(client: zen.Client, rank: int, dense: str, fuse: bool) -> None:
     torch.manual_seed(0)
     ours, theirs = Mixed(rare_sparse=False), Mixed(rare_sparse=False)
     theirs.load_state_dict(ours.state_dict())
     a = nn.parallel.DistributedDataParallel(ours, find_unused_parameters=True)
     b = nn.parallel.DistributedDataParallel(theirs, find_unused_parameters=True)
-    a.register_comm_hook(zen.HookState(client, ours, dense=dense, topk_ratio=1.0, prefix=f"ddp-{dense}"), zen.comm_hook)
+    a.register_comm_hook(zen.HookState(client, ours, dense=dense, topk_ratio=1.0, prefix=f"ddp-{dense}-{fuse}",
+                                       fuse=fuse), zen.comm_hook)
     for step in range(4):
         use_rare = step % 2 == 1
         for m in (a, b):
@@ -60,6 +61,44 @@ def ddp_hook_matches_plain_ddp(client: zen.Client, rank: int, dense: str) -> Non
         assert ga.keys() == gb.keys(), (step, ga.keys(), gb.keys())
         for name in gb:
             torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
+class Tables(nn.Module):
+    """Three sparse tables, two of one width, and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Embedding(500, 8, sparse=True)
+        self.b = nn.Embedding(300, 8, sparse=True)
+        self.c = nn.Embedding(200, 4, sparse=True)
+        self.head = nn.Linear(20, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.a(ids), self.b(ids % 300), self.c(ids % 200)], dim=-1)
+        return self.head(x).pow(2).mean()
+
+
+def ddp_hook_fuses_each_pass_into_one_step_per_width(client: zen.Client, rank: int) -> None:
+    """The hook's fused steps: plain DDP's gradients, with the daemon running one step per row width
+    per backward pass (a and b share theirs), not one per table."""
+    torch.manual_seed(1)
+    ours, theirs = Tables(), Tables()
+    theirs.load_state_dict(ours.state_dict())
+    a, b = nn.parallel.DistributedDataParallel(ours), nn.parallel.DistributedDataParallel(theirs)
+    a.register_comm_hook(zen.HookState(client, ours, prefix="fused"), zen.comm_hook)
+    for step in range(3):
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+            m(batch(rank, step)).backward()
+        ga, gb = dense_grads(ours), dense_grads(theirs)
+        assert ga.keys() == gb.keys(), (step, ga.keys(), gb.keys())
+        for name in gb:
+            torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        width8, width4 = client.last_stats("fused.a.weight"), client.last_stats("fused.c.weight")
+        assert width8 is not None and width4 is not None, step
+        assert client.last_stats("fused.b.weight") is width8, f"step {step}: a and b went in different steps"
+        assert width4 is not width8, f"step {step}: tables of widths 8 and 4 in one step"
+        assert width8.step == width4.step == step, (step, width8.step, width4.step)  # one step per pass
 
 
 def helper_matches_reference(client: zen.Client, rank: int, dtype: torch.dtype) -> None:
@@ -107,8 +146,10 @@ def main() -> int:
     torch.set_num_threads(1)
     with zen.Client() as client:
         if scenario == "ddp":
-            ddp_hook_matches_plain_ddp(client, rank, "torch")
-            ddp_hook_matches_plain_ddp(client, rank, "topk")  # ratio 1.0: every value, through the daemon
+            for fuse in (True, False):
+                ddp_hook_matches_plain_ddp(client, rank, "torch", fuse)
+                ddp_hook_matches_plain_ddp(client, rank, "topk", fuse)  # ratio 1.0: every value, through the daemon
+            ddp_hook_fuses_each_pass_into_one_step_per_width(client, rank)
         elif scenario == "helper":
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 helper_matches_reference(client, rank, dtype)

@@ -1,0 +1,75 @@
+"""Which sparse all_reduce calls of a backward pass the "zen" backend sends as one step (tensor fusion).
+
+DDP hands the backend its sparse buckets one call at a time and does not say which is the pass's
+last (a comm hook is told, `GradBucket.is_last()`; a backend is not). So the order is learned: a pass
+makes the calls the previous pass made, in the same order (DDP launches its buckets in bucket order,
+the same on every rank). A call that follows the learned order is held until the order's last call,
+and the pass's calls then go together, so the daemon's fixed cost and the commit's rounds are paid
+once per iteration, not once per table. A call that departs from the order sends what is held with
+it at once, and the pass is learned anew; so does a wait on a held call, and the end of the pass.
+
+Every rank makes the same calls in the same order (the backend checks it), so every rank decides the
+same: the batches, and so the daemon's fused tensors, are the same everywhere. Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+FUSE_ENV = "ZEN_FUSE"  # "0": no fusion, where the code did not choose (a switch for comparisons)
+
+
+def fuse_setting(given: bool | None, environ: Mapping[str, str]) -> bool:
+    """Whether to fuse: as the code chose, else as ZEN_FUSE says ("1", "0"), else yes."""
+    if given is not None:
+        return given
+    value = environ.get(FUSE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSE_ENV}={value!r}: choose 1 (fuse a backward pass's sparse calls) or 0")
+    return value == "1"
+
+
+class PassFusion(Generic[Item]):
+    """Feed it every call of a pass (`arrive`); it says what to send and when."""
+
+    def __init__(self) -> None:
+        self.learned: tuple[Hashable, ...] = ()  # the previous pass's calls, in order
+        self._pass: Hashable = None
+        self._seen: list[Hashable] = []
+        self._following = False  # this pass has matched the learned order so far
+        self._held: list[Item] = []
+
+    def arrive(self, backward_pass: Hashable, name: Hashable, item: Item) -> list[Item]:
+        """The items to send now, in call order (this one last), or [] when this one is held.
+
+        `backward_pass` tells passes apart (autograd's graph task); `name` is the call's identity."""
+        if backward_pass != self._pass:
+            self._new_pass(backward_pass)
+        self._seen.append(name)
+        position = len(self._seen)
+        if self._following and position <= len(self.learned) and self.learned[position - 1] == name:
+            if position < len(self.learned):
+                self._held.append(item)
+                return []
+        else:
+            self._following = False
+        return [*self.release(), item]
+
+    def release(self) -> list[Item]:
+        """What is held, to send now (a wait on a held call, the pass's end, a shutdown)."""
+        held, self._held = self._held, []
+        return held
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def _new_pass(self, backward_pass: Hashable) -> None:
+        if self._pass is not None:
+            self.learned = tuple(self._seen)
+        self._pass, self._seen = backward_pass, []
+        # one call a pass: nothing to fuse; calls still held from the last pass (its end was not seen) go
+        # out with this pass's first call
+        self._following = len(self.learned) > 1 and not self._held

@@ -1,0 +1,166 @@
+"""The backend's tensor fusion: which calls of a backward pass go together (zen/fusion.py), and the
+backend holding and sending them (zen/distributed.py) over a stand-in client."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import zen
+import zen.distributed as zd
+from zen.fusion import PassFusion
+
+from tests.helpers import poll_for
+
+pytestmark = pytest.mark.inprocess
+
+
+def test_the_first_pass_is_learned_then_each_pass_goes_whole_at_its_last_call() -> None:
+    f: PassFusion[str] = PassFusion()
+    assert [f.arrive(1, n, n) for n in "abc"] == [["a"], ["b"], ["c"]]  # nothing learned yet
+    assert [f.arrive(2, n, n) for n in "abc"] == [[], [], ["a", "b", "c"]]
+    assert [f.arrive(3, n, n) for n in "abc"] == [[], [], ["a", "b", "c"]]
+
+
+def test_a_pass_that_departs_sends_what_it_held_at_once_and_is_learned_anew() -> None:
+    f: PassFusion[str] = PassFusion()
+    for n in "abc":
+        f.arrive(1, n, n)
+    assert f.arrive(2, "a", "a") == []
+    assert f.arrive(2, "x", "x") == ["a", "x"]  # departs: held and this one, now
+    assert f.arrive(2, "c", "c") == ["c"]  # the rest of the pass one by one
+    assert [f.arrive(3, n, n) for n in "axc"] == [[], [], ["a", "x", "c"]]  # pass 2 was learned
+
+
+def test_release_hands_over_what_is_held_and_a_pass_with_one_call_is_never_held() -> None:
+    f: PassFusion[str] = PassFusion()
+    for n in "ab":
+        f.arrive(1, n, n)
+    assert f.arrive(2, "a", "a") == [] and f.holding
+    assert f.release() == ["a"] and not f.holding
+    assert f.arrive(2, "b", "b") == ["b"]  # its partner left early: not held for nothing
+    g: PassFusion[str] = PassFusion()
+    assert [g.arrive(p, "a", "a") for p in (1, 2, 3)] == [["a"], ["a"], ["a"]]
+
+
+def test_calls_still_held_when_a_new_pass_starts_go_with_its_first_call() -> None:
+    f: PassFusion[str] = PassFusion()
+    for n in "ab":
+        f.arrive(1, n, n)
+    assert f.arrive(2, "a", "a1") == []
+    assert f.arrive(3, "a", "a2") == ["a1", "a2"]  # pass 2's end was not seen: nothing is held for ever
+
+
+class _Client:
+    """A stand-in for zen.Client over a world of one (a sum is its input); allreduce_many is the real one."""
+
+    job, world_size, local_world_size = "fake", 1, 1
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+        self._fused_into: dict[str, str] = {}
+
+    def allreduce(self, tensor, *, name, num_rows=None, average=False, timeout_s=None, topk=None):  # type: ignore[no-untyped-def]
+        self.ran.append(name)
+        rows, values = tensor
+        order = torch.argsort(rows)
+        return rows[order], values[order]
+
+    def allreduce_many(self, tensors, *, names, average=False, timeout_s=None):  # type: ignore[no-untyped-def]
+        return zen.Client.allreduce_many(self, tensors, names=names, average=average, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    def last_stats(self, name: str) -> None:
+        return None
+
+
+def _group(client: _Client) -> zd.ZenProcessGroup:
+    return zd.ZenProcessGroup(dist.HashStore(), 0, 1, timedelta(seconds=30), "9", zd.Options(client=client))  # type: ignore[arg-type]
+
+
+def _table(rows: list[int], width: int, n: int = 20) -> torch.Tensor:
+    return torch.sparse_coo_tensor([rows], torch.arange(len(rows) * width, dtype=torch.float32).reshape(-1, width),
+                                   (n, width), check_invariants=True)
+
+
+def _backward_calling(pg: zd.ZenProcessGroup, tables: list[torch.Tensor], works: list, wait_at: int = -1) -> None:
+    """One backward pass whose hook makes one sparse all_reduce per table (as DDP's reducer does)."""
+    x = torch.ones(1, requires_grad=True)
+    y = x * 2
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        for i, t in enumerate(tables):
+            works.append(pg.allreduce([t]))
+            if i == wait_at:
+                works[-1].wait()  # a caller that waits inside the pass: the held call goes at once
+        return grad
+
+    y.register_hook(hook)
+    y.sum().backward()
+
+
+def test_the_backend_fuses_a_learned_pass_into_one_step_per_width_with_each_sum_in_place() -> None:
+    client = _Client()
+    pg = _group(client)
+    try:
+        for backward_pass in range(3):
+            tables = [_table([3, 1], 4), _table([5], 4), _table([2, 7], 2)]
+            expected = [t.coalesce().to_dense() for t in tables]
+            works: list = []
+            ran_before = len(client.ran)
+            _backward_calling(pg, tables, works)
+            for w, t, want in zip(works, tables, expected, strict=True):
+                assert w.wait() and w.result()[0] is t and torch.equal(t.to_dense(), want)
+            ran = client.ran[ran_before:]
+            if backward_pass == 0:  # learning: a step per call
+                assert len(ran) == 3 and not any(n.startswith("fused:") for n in ran), ran
+            else:  # widths 4 and 2: two fused steps
+                assert len(ran) == 2 and all(n.startswith("fused:") for n in ran), ran
+    finally:
+        pg.shutdown()
+
+
+def test_a_held_call_goes_when_waited_on_and_a_pass_that_stops_short_sends_it_at_its_end() -> None:
+    client = _Client()
+    pg = _group(client)
+    try:
+        _backward_calling(pg, [_table([1], 4), _table([2], 4), _table([3], 4)], [])  # learned: three calls
+        works: list = []
+        _backward_calling(pg, [_table([1], 4), _table([2], 4), _table([3], 4)], works, wait_at=0)
+        assert all(w.wait() for w in works)
+        short: list = []
+        _backward_calling(pg, [_table([4], 4)], short)  # one call of three: held, then the pass ends
+        poll_for(short[0].is_completed, 10, "the held call sent at the pass's end, unwaited")
+        assert torch.equal(short[0].result()[0].to_dense()[4], torch.arange(4.0))
+    finally:
+        pg.shutdown()
+
+
+def test_shutdown_fails_a_call_still_held_with_step_aborted() -> None:
+    client = _Client()
+    pg = _group(client)
+    _backward_calling(pg, [_table([1], 4), _table([2], 4)], [])
+    works: list = []
+    x = torch.ones(1, requires_grad=True)
+    y = x * 2
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        works.append(pg.allreduce([_table([1], 4)]))  # held for its partner
+        pg.abort()
+        return grad
+
+    y.register_hook(hook)
+    y.sum().backward()
+    with pytest.raises(zen.StepAborted, match="held"):
+        works[0].wait()
+
+
+def test_the_fusion_switch_takes_the_codes_choice_then_zen_fuse_and_names_a_bad_value() -> None:
+    from zen.fusion import fuse_setting
+
+    assert fuse_setting(None, {}) is True
+    assert fuse_setting(None, {"ZEN_FUSE": "0"}) is False
+    assert fuse_setting(True, {"ZEN_FUSE": "0"}) is True
+    with pytest.raises(ValueError, match="ZEN_FUSE='no'"):
+        fuse_setting(None, {"ZEN_FUSE": "no"})
