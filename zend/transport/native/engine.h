@@ -155,7 +155,7 @@ class Engine {
   void io_loop();
   void io_read(const LinkPtr& link);
   void io_retry_held();
-  void io_timers(double now);
+  void io_timers(double round_start);
   bool io_stall_check(double from, double to);  // records a stall if we stood still from..to
   void io_interest(const LinkPtr& link);
   void io_unregister(const LinkPtr& link);
