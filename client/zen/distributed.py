@@ -408,10 +408,13 @@ class ZenProcessGroup(ProcessGroup):
         """A sparse call of backward pass `task`: held for the pass's fused step, or sent now with
         what was held before it."""
         with self._lock:
+            stale = self._fusion.stale(task)
             batch = self._fusion.arrive(task, member.zen_name, member)
             queue_end = not batch and self._pass_end_queued != task
             if queue_end:
                 self._pass_end_queued = task
+        _fail_members(stale, StepAborted(f"zen process group {self.group_id}: a backward pass ended before its "
+                                         "held sparse calls were sent (it failed); they never were [ABORTED]"))
         if queue_end:  # a pass that stops short of the learned order still sends what it held, at its end
             torch.autograd.Variable._execution_engine.queue_callback(self._send_held)
         if not batch:
@@ -430,10 +433,13 @@ class ZenProcessGroup(ProcessGroup):
         dtype and row width). Each call's own future completes with its own tensors."""
         for average in (False, True):
             part = [m for m in members if m.average == average]
-            if len(part) == 1:
-                self._send_one(part[0])
-            elif part:
-                self._send_fused(part, average)
+            try:
+                if len(part) == 1:
+                    self._send_one(part[0])
+                elif part:
+                    self._send_fused(part, average)
+            except BaseException as exc:  # not queued (the group shut down meanwhile): no future may hang
+                _fail_members(part, exc)
 
     def _send_one(self, m: _Member) -> None:
         with record_function(f"zen.all_reduce[{m.zen_name}]"):
@@ -731,9 +737,8 @@ class ZenProcessGroup(ProcessGroup):
             self._closed = True  # no new calls from here on
             pending, tails = list(self._pending), list(self._tails.values())
             held = self._fusion.release()
-        for m in held:  # never sent: the step of their pass will not come
-            m.result.set_exception(StepAborted(f"zen process group {self.group_id} closed before {m.zen_name!r} "
-                                               "was sent (held for its backward pass's fused step) [ABORTED]"))
+        _fail_members(held, StepAborted(f"zen process group {self.group_id} closed before calls held for a "
+                                        "backward pass's fused step were sent [ABORTED]"))
         if wait:  # every lane to its end: the steps queued behind others run too
             for call in tails:
                 call.lane.wait()
@@ -769,6 +774,12 @@ class _Member:
     deliver: Callable[[Any], list[torch.Tensor]]
     like: torch.Tensor
     result: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+
+
+def _fail_members(members: list[_Member], error: BaseException) -> None:
+    for m in members:
+        if not m.result.done():
+            m.result.set_exception(error)
 
 
 def _pass_on(done: torch.futures.Future[Any], members: list[_Member], each: bool = False) -> None:

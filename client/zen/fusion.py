@@ -7,6 +7,7 @@ the same on every rank). A call that follows the learned order is held until the
 and the pass's calls then go together, so the daemon's fixed cost and the commit's rounds are paid
 once per iteration, not once per table. A call that departs from the order sends what is held with
 it at once, and the pass is learned anew; so does a wait on a held call, and the end of the pass.
+Calls a pass still holds when the next begins (its backward failed before its end) are failed.
 
 Every rank makes the same calls in the same order (the backend checks it), so every rank decides the
 same: the batches, and so the daemon's fused tensors, are the same everywhere. Pure: no torch, no I/O.
@@ -57,6 +58,14 @@ class PassFusion(Generic[Item]):
             self._following = False
         return [*self.release(), item]
 
+    def stale(self, backward_pass: Hashable) -> list[Item]:
+        """Calls an earlier pass still holds (its end never came: its backward failed), dropped: the
+        caller fails them. Never sent, as a pass that failed on one rank may not have on another."""
+        if backward_pass == self._pass or not self._held:
+            return []
+        self._seen = list(self.learned)  # a pass cut short teaches nothing: the order stays
+        return self.release()
+
     def release(self) -> list[Item]:
         """What is held, to send now (a wait on a held call, the pass's end, a shutdown)."""
         held, self._held = self._held, []
@@ -70,6 +79,4 @@ class PassFusion(Generic[Item]):
         if self._pass is not None:
             self.learned = tuple(self._seen)
         self._pass, self._seen = backward_pass, []
-        # one call a pass: nothing to fuse; calls still held from the last pass (its end was not seen) go
-        # out with this pass's first call
-        self._following = len(self.learned) > 1 and not self._held
+        self._following = len(self.learned) > 1  # one call a pass: nothing to fuse

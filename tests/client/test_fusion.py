@@ -45,12 +45,14 @@ def test_release_hands_over_what_is_held_and_a_pass_with_one_call_is_never_held(
     assert [g.arrive(p, "a", "a") for p in (1, 2, 3)] == [["a"], ["a"], ["a"]]
 
 
-def test_calls_still_held_when_a_new_pass_starts_go_with_its_first_call() -> None:
+def test_calls_an_earlier_pass_still_holds_are_handed_back_as_stale_and_the_new_pass_fuses() -> None:
     f: PassFusion[str] = PassFusion()
     for n in "ab":
         f.arrive(1, n, n)
     assert f.arrive(2, "a", "a1") == []
-    assert f.arrive(3, "a", "a2") == ["a1", "a2"]  # pass 2's end was not seen: nothing is held for ever
+    assert f.stale(2) == []  # its own pass: not stale
+    assert f.stale(3) == ["a1"] and not f.holding  # pass 2's end was never seen
+    assert [f.arrive(3, n, n) for n in "ab"] == [[], ["a", "b"]]
 
 
 class _Client:
@@ -154,6 +156,32 @@ def test_shutdown_fails_a_call_still_held_with_step_aborted() -> None:
     y.sum().backward()
     with pytest.raises(zen.StepAborted, match="held"):
         works[0].wait()
+
+
+def test_a_call_held_by_a_pass_that_failed_is_failed_not_sent_with_the_next_pass() -> None:
+    client = _Client()
+    pg = _group(client)
+    try:
+        _backward_calling(pg, [_table([1], 4), _table([2], 4)], [])
+        works: list = []
+        x = torch.ones(1, requires_grad=True)
+        y = x * 2
+
+        def failing(grad: torch.Tensor) -> torch.Tensor:
+            works.append(pg.allreduce([_table([1], 4)]))  # held for its partner, which never comes
+            raise RuntimeError("the backward fails here")
+
+        y.register_hook(failing)
+        with pytest.raises(RuntimeError, match="fails here"):
+            y.sum().backward()
+        ran = len(client.ran)
+        _backward_calling(pg, [_table([1], 4), _table([2], 4)], works)
+        with pytest.raises(zen.StepAborted, match="never were"):
+            works[0].wait()
+        assert works[1].wait() and works[2].wait()
+        assert len(client.ran) == ran + 1 and client.ran[-1].startswith("fused:"), client.ran  # the new pass only
+    finally:
+        pg.shutdown()
 
 
 def test_the_fusion_switch_takes_the_codes_choice_then_zen_fuse_and_names_a_bad_value() -> None:
