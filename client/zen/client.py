@@ -65,6 +65,24 @@ def checked_rows(rows: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
     return rows
 
 
+MAX_FUSED_ROWS = 2**31  # a zen tensor's rows (zend.core.sparse): tables fused past it go as more steps
+
+
+def _within_rows(members: list[int], tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+    """`members` cut, in order, into runs whose rows add up to less than `limit` (a table alone at or
+    over it is a run of its own, refused by name when its step starts). The same cut on every trainer."""
+    runs: list[list[int]] = [[]]
+    total = 0
+    for i in members:
+        rows = tensors[i].shape[0]
+        if runs[-1] and total + rows >= limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += rows
+    return runs
+
+
 StepStats = StepResult  # what the daemon reported of a tensor's last step, as seen from this trainer's node
 
 
@@ -266,9 +284,9 @@ class Client:
 
         A step costs the daemon a fixed 1-3 ms however small the tensor; fused, 32 small tensors pay
         it once. Tensors of the same dtype, row shape and device are stacked into one tensor (rows
-        offset one after another) and synchronised in one step; the results are split back, in the
-        order given. Every trainer of the job must pass the same names, in the same order, with
-        the same shapes: the fused tensor is named after them.
+        offset one after another; a new one where their rows would reach 2**31) and synchronised in one
+        step; the results are split back, in the order given. Every trainer of the job must pass the
+        same names, in the same order, with the same shapes: the fused tensor is named after them.
         """
         if len(tensors) != len(names) or len(set(names)) != len(names):
             raise InvalidGradient(f"allreduce_many: {len(tensors)} tensors for {len(names)} names, which must be "
@@ -279,7 +297,7 @@ class Client:
                 raise InvalidGradient(f"tensor {name!r}: allreduce_many takes row-sparse COO tensors (sparse_dim 1)")
             groups.setdefault((t.dtype, tuple(t.shape[1:]), t.device), []).append(i)
         out: list[torch.Tensor | None] = [None] * len(tensors)
-        for members in groups.values():
+        for members in (chunk for kind in groups.values() for chunk in _within_rows(kind, tensors, MAX_FUSED_ROWS)):
             parts = [tensors[i] for i in members]
             offsets = [0]
             for t in parts:

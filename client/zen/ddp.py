@@ -116,8 +116,10 @@ def _hold(state: HookState, buffer: torch.Tensor, name: str) -> torch.futures.Fu
     if stale:  # its pass ended before its last bucket (a hook or the backward failed): it was never sent
         state._held = [h for h in state._held if h.backward_pass == backward_pass]
         for h in stale:
-            h.result.set_exception(RuntimeError(f"zen.comm_hook: bucket {h.name!r} of an earlier backward pass was "
-                                                "never sent: that pass stopped before its last bucket"))
+            h.result.set_exception(RuntimeError(
+                f"zen.comm_hook: bucket {h.name!r} of an earlier backward pass was never sent: that pass stopped "
+                "before its last bucket, or another backward pass ran inside it (reentrant activation "
+                "checkpointing; HookState(fuse=False) or ZEN_FUSE=0 there)"))
     held = _Held(buffer, name, torch.futures.Future(), backward_pass)
     state._held.append(held)
     return held.result

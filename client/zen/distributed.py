@@ -413,26 +413,31 @@ class ZenProcessGroup(ProcessGroup):
             queue_end = not batch and self._pass_end_queued != task
             if queue_end:
                 self._pass_end_queued = task
-        _fail_members(stale, StepAborted(f"zen process group {self.group_id}: a backward pass ended before its "
-                                         "held sparse calls were sent (it failed); they never were [ABORTED]"))
+        _fail_members(stale, StepAborted(
+            f"zen process group {self.group_id}: sparse calls held for a backward pass's fused step were never "
+            "sent: that pass failed before its end, or another backward pass ran inside it (reentrant "
+            "activation checkpointing; Options(fuse=False) or ZEN_FUSE=0 there) [ABORTED]"))
         if queue_end:  # a pass that stops short of the learned order still sends what it held, at its end
-            torch.autograd.Variable._execution_engine.queue_callback(self._send_held)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._send_held())
         if not batch:
-            return ZenWork(member.result, on_wait=self._send_held)
+            return ZenWork(member.result, on_wait=lambda: self._send_held(member))
         self._send_members(batch)
         return ZenWork(member.result)
 
-    def _send_held(self) -> None:
+    def _send_held(self, waited: _Member | None = None) -> None:
+        """What is held, sent now: at the pass's end, or as `waited` is waited on (if it still is held)."""
         with self._lock:
-            held = self._fusion.release()
+            held = self._fusion.release() if waited is None or self._fusion.is_held(waited) else []
         if held:
             self._send_members(held)
 
     def _send_members(self, members: list[_Member]) -> None:
-        """One zen step for one call; for several, one `allreduce_many` per op (and, in it, one step per
-        dtype and row width). Each call's own future completes with its own tensors."""
-        for average in (False, True):
-            part = [m for m in members if m.average == average]
+        """One zen step for one call; for several, one `allreduce_many` per op and device (and, in it, one
+        step per dtype and row width). Each call's own future completes with its own tensors."""
+        kinds: dict[tuple[bool, torch.device], list[_Member]] = {}
+        for m in members:  # one device a step: its CUDA stream is waited on before the step reads
+            kinds.setdefault((m.average, m.like.device), []).append(m)
+        for (average, _), part in kinds.items():
             try:
                 if len(part) == 1:
                     self._send_one(part[0])

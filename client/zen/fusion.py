@@ -71,6 +71,9 @@ class PassFusion(Generic[Item]):
         held, self._held = self._held, []
         return held
 
+    def is_held(self, item: Item) -> bool:
+        return any(h is item for h in self._held)
+
     @property
     def holding(self) -> bool:
         return bool(self._held)

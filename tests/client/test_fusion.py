@@ -176,7 +176,7 @@ def test_a_call_held_by_a_pass_that_failed_is_failed_not_sent_with_the_next_pass
             y.sum().backward()
         ran = len(client.ran)
         _backward_calling(pg, [_table([1], 4), _table([2], 4)], works)
-        with pytest.raises(zen.StepAborted, match="never were"):
+        with pytest.raises(zen.StepAborted, match="were never sent"):
             works[0].wait()
         assert works[1].wait() and works[2].wait()
         assert len(client.ran) == ran + 1 and client.ran[-1].startswith("fused:"), client.ran  # the new pass only
@@ -192,3 +192,48 @@ def test_the_fusion_switch_takes_the_codes_choice_then_zen_fuse_and_names_a_bad_
     assert fuse_setting(True, {"ZEN_FUSE": "0"}) is True
     with pytest.raises(ValueError, match="ZEN_FUSE='no'"):
         fuse_setting(None, {"ZEN_FUSE": "no"})
+
+
+def test_waiting_on_a_call_already_sent_leaves_the_current_pass_s_held_calls_alone() -> None:
+    import threading
+
+    client = _Client()
+    gate = threading.Event()
+    plain = client.allreduce
+
+    def slow(tensor, **kwargs):  # type: ignore[no-untyped-def]
+        assert gate.wait(30)
+        return plain(tensor, **kwargs)
+
+    client.allreduce = slow  # type: ignore[method-assign]
+    pg = _group(client)
+    try:
+        gate.set()
+        learning: list = []
+        _backward_calling(pg, [_table([1], 4), _table([2], 4)], learning)  # learned: two calls
+        assert all(w.wait() for w in learning)  # done before the gate closes
+        gate.clear()
+        sent: list = []
+        _backward_calling(pg, [_table([1], 4), _table([2], 4)], sent)  # fused, sent, stuck at the daemon
+        ran = len(client.ran)
+        held: list = []
+        x = torch.ones(1, requires_grad=True)
+        y = x * 2
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            held.append(pg.allreduce([_table([1], 4)]))  # held for its partner
+            with pytest.raises(zen.StepTimeout):
+                sent[0].wait(timedelta(seconds=0.2))  # sent, not done: no reason to send what is held
+            assert not held[0].is_completed() and pg._fusion.holding
+            held.append(pg.allreduce([_table([2], 4)]))
+            return grad
+
+        y.register_hook(hook)
+        y.sum().backward()
+        gate.set()
+        assert all(w.wait() for w in sent + held)
+        # passes 2 and 3: one fused step each (the third pass's two calls went together)
+        assert client.ran[ran:] == [client.ran[-1]] * 2 and client.ran[-1].startswith("fused:"), client.ran
+    finally:
+        gate.set()
+        pg.shutdown()

@@ -83,3 +83,24 @@ def test_the_torch_backend_checks_the_rows_before_it_builds_the_sum() -> None:
     delivered: Any = ZenProcessGroup._sparse_allreduce(group, [t.clone()], ReduceOp.SUM)  # type: ignore[arg-type]
     (out,) = delivered  # the stub's _submit returns what deliver returns: the tensors
     assert out.coalesce()._indices().tolist() == [[0, 6], [0, 2]]
+
+
+def test_allreduce_many_cuts_a_kind_where_its_rows_would_pass_a_zen_tensors_limit() -> None:
+    """Three tables of 1e9 rows each (one width) are under 2**31 alone, not all three stacked: they go as two
+    fused tensors, each under the limit, and every row comes back to its own table."""
+    client = Client.__new__(Client)
+    client._fused_into = {}
+    steps: list[tuple[str, int]] = []
+
+    def allreduce(pair: Any, *, name: str, num_rows: int, **_: Any) -> Any:
+        steps.append((name, num_rows))
+        return pair
+
+    client.allreduce = allreduce  # type: ignore[method-assign]
+    big = 1_000_000_000
+    tables = [torch.sparse_coo_tensor(torch.tensor([[k, big - 1]]), torch.ones(2, 2), (big, 2), check_invariants=True)
+              for k in range(3)]
+    out = client.allreduce_many(tables, names=["a", "b", "c"])
+    assert [n for _, n in steps] == [2 * big, big] and steps[0][0] != steps[1][0], steps
+    for k, t in enumerate(out):
+        assert t._indices().tolist() == [[k, big - 1]], (k, t)
