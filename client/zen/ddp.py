@@ -26,7 +26,7 @@ from torch import nn
 
 from zen.client import Client
 from zen.errors import behind
-from zen.fusion import fuse_setting
+from zen.fusion import fail, fuse_setting, settle
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _hold(state: HookState, buffer: torch.Tensor, name: str) -> torch.futures.Fu
     if stale:  # its pass ended before its last bucket (a hook or the backward failed): it was never sent
         state._held = [h for h in state._held if h.backward_pass == backward_pass]
         for h in stale:
-            h.result.set_exception(RuntimeError(
+            fail([h.result], RuntimeError(
                 f"zen.comm_hook: bucket {h.name!r} of an earlier backward pass was never sent: that pass stopped "
                 "before its last bucket, or another backward pass ran inside it (reentrant activation "
                 "checkpointing; HookState(fuse=False) or ZEN_FUSE=0 there)"))
@@ -131,18 +131,7 @@ def _send_held(state: HookState) -> None:
     if not held:
         return
     sums = state.client.allreduce_many_async([h.buffer for h in held], names=[h.name for h in held], average=True)
-
-    def spread(done: torch.futures.Future[list[torch.Tensor]]) -> None:
-        try:
-            totals = done.value()
-        except BaseException as exc:
-            for h in held:
-                h.result.set_exception(exc)
-            return
-        for h, total in zip(held, totals, strict=True):
-            h.result.set_result(total)
-
-    sums.add_done_callback(spread)
+    settle(sums, [h.result for h in held], each=True)
 
 
 def _noting_errors(state: HookState, future: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:

@@ -69,7 +69,7 @@ from torch.profiler import record_function
 
 from zen.client import Client, StepStats, checked_rows
 from zen.errors import OutOfOrder, StepAborted, StepTimeout, ZenError, behind
-from zen.fusion import PassFusion, fuse_setting
+from zen.fusion import PassFusion, fail, fuse_setting, settle
 from zend.core import dtypes
 from zend.core.topk import TopKCompressor
 
@@ -398,10 +398,14 @@ class ZenProcessGroup(ProcessGroup):
         task = torch._C._current_graph_task_id()
         if self.fuse and task >= 0 and getattr(first, _HINT, None) is None:
             return self._fused_or_held(task, _Member(zen_name, rows, values, num_rows, average, deliver, first))
+        return self._submit_one(zen_name, rows, values, num_rows, average, deliver, first)
+
+    def _submit_one(self, zen_name: str, rows: torch.Tensor, values: torch.Tensor, num_rows: int, average: bool,
+                    deliver: Callable[[Any], list[torch.Tensor]], like: torch.Tensor) -> ZenWork:
         with record_function(f"zen.all_reduce[{zen_name}]"):
             return self._submit(zen_name, lambda: self.client.allreduce(
                 (rows, values), name=zen_name, num_rows=num_rows, average=average,
-                timeout_s=self.timeout.total_seconds()), deliver, first)
+                timeout_s=self.timeout.total_seconds()), deliver, like)
 
     # ------------------------------------------------------------------ fusion (zen/fusion.py)
     def _fused_or_held(self, task: int, member: _Member) -> ZenWork:
@@ -413,10 +417,11 @@ class ZenProcessGroup(ProcessGroup):
             queue_end = not batch and self._pass_end_queued != task
             if queue_end:
                 self._pass_end_queued = task
-        _fail_members(stale, StepAborted(
-            f"zen process group {self.group_id}: sparse calls held for a backward pass's fused step were never "
-            "sent: that pass failed before its end, or another backward pass ran inside it (reentrant "
-            "activation checkpointing; Options(fuse=False) or ZEN_FUSE=0 there) [ABORTED]"))
+        if stale:
+            fail([m.result for m in stale], StepAborted(
+                f"zen process group {self.group_id}: sparse calls held for a backward pass's fused step were never "
+                "sent: that pass failed before its end, or another backward pass ran inside it (reentrant "
+                "activation checkpointing; Options(fuse=False) or ZEN_FUSE=0 there) [ABORTED]"))
         if queue_end:  # a pass that stops short of the learned order still sends what it held, at its end
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._send_held())
         if not batch:
@@ -440,18 +445,13 @@ class ZenProcessGroup(ProcessGroup):
         for (average, _), part in kinds.items():
             try:
                 if len(part) == 1:
-                    self._send_one(part[0])
-                elif part:
+                    m = part[0]
+                    work = self._submit_one(m.zen_name, m.rows, m.values, m.num_rows, m.average, m.deliver, m.like)
+                    settle(work._future, [m.result])
+                else:
                     self._send_fused(part, average)
             except BaseException as exc:  # not queued (the group shut down meanwhile): no future may hang
-                _fail_members(part, exc)
-
-    def _send_one(self, m: _Member) -> None:
-        with record_function(f"zen.all_reduce[{m.zen_name}]"):
-            work = self._submit(m.zen_name, lambda: self.client.allreduce(
-                (m.rows, m.values), name=m.zen_name, num_rows=m.num_rows, average=m.average,
-                timeout_s=self.timeout.total_seconds()), m.deliver, m.like)
-        _pass_on(work._future, [m])
+                fail([m.result for m in part], exc)
 
     def _send_fused(self, part: list[_Member], average: bool) -> None:
         tensors = [torch.sparse_coo_tensor(m.rows.unsqueeze(0), m.values, (m.num_rows, *m.values.shape[1:]),
@@ -468,7 +468,7 @@ class ZenProcessGroup(ProcessGroup):
         label = f"{self.prefix}fused[{','.join(n.removeprefix(self.prefix) for n in names)}]"
         with record_function(f"zen.all_reduce[{label}]"):
             work = self._submit(label, compute, deliver, part[0].like, tensors=names)
-        _pass_on(work._future, part, each=True)
+        settle(work._future, [m.result for m in part], each=True)
 
     def _dense_via_zen(self, tensors: list[torch.Tensor], op: Any) -> dist.Work:
         first = tensors[0]
@@ -742,8 +742,8 @@ class ZenProcessGroup(ProcessGroup):
             self._closed = True  # no new calls from here on
             pending, tails = list(self._pending), list(self._tails.values())
             held = self._fusion.release()
-        _fail_members(held, StepAborted(f"zen process group {self.group_id} closed before calls held for a "
-                                        "backward pass's fused step were sent [ABORTED]"))
+        fail([m.result for m in held], StepAborted(f"zen process group {self.group_id} closed before calls held "
+                                                   "for a backward pass's fused step were sent [ABORTED]"))
         if wait:  # every lane to its end: the steps queued behind others run too
             for call in tails:
                 call.lane.wait()
@@ -779,28 +779,6 @@ class _Member:
     deliver: Callable[[Any], list[torch.Tensor]]
     like: torch.Tensor
     result: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
-
-
-def _fail_members(members: list[_Member], error: BaseException) -> None:
-    for m in members:
-        if not m.result.done():
-            m.result.set_exception(error)
-
-
-def _pass_on(done: torch.futures.Future[Any], members: list[_Member], each: bool = False) -> None:
-    """The outcome of the step the members went in, to each member's own future (`each`: the step's
-    value is one per member)."""
-    def spread(fut: torch.futures.Future[Any]) -> None:
-        try:
-            value = fut.value()
-        except BaseException as exc:
-            for m in members:
-                m.result.set_exception(exc)
-            return
-        for i, m in enumerate(members):
-            m.result.set_result(value[i] if each else value)
-
-    done.add_done_callback(spread)
 
 
 # ---------------------------------------------------------------------------------------- helpers (pure)

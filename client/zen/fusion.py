@@ -10,13 +10,14 @@ it at once, and the pass is learned anew; so does a wait on a held call, and the
 Calls a pass still holds when the next begins (its backward failed before its end) are failed.
 
 Every rank makes the same calls in the same order (the backend checks it), so every rank decides the
-same: the batches, and so the daemon's fused tensors, are the same everywhere. Pure: no torch, no I/O.
+same: the batches, and so the daemon's fused tensors, are the same everywhere. Pure: no torch, no I/O
+(the two helpers at the end take torch futures as they come).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
-from typing import Generic, TypeVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 FUSE_ENV = "ZEN_FUSE"  # "0": no fusion, where the code did not choose (a switch for comparisons)
@@ -83,3 +84,25 @@ class PassFusion(Generic[Item]):
             self.learned = tuple(self._seen)
         self._pass, self._seen = backward_pass, []
         self._following = len(self.learned) > 1  # one call a pass: nothing to fuse
+
+
+def settle(done: Any, results: Sequence[Any], each: bool = False) -> None:
+    """Once future `done` (the step the held calls went in) completes, its outcome to each call's own
+    future in `results`: its error to all, or its value (`each`: one value per call, in order)."""
+    def spread(step: Any) -> None:
+        try:
+            value = step.value()
+        except BaseException as exc:
+            fail(results, exc)
+            return
+        for i, result in enumerate(results):
+            result.set_result(value[i] if each else value)
+
+    done.add_done_callback(spread)
+
+
+def fail(results: Sequence[Any], error: BaseException) -> None:
+    """`error` to every future in `results` not done yet."""
+    for result in results:
+        if not result.done():
+            result.set_exception(error)
