@@ -78,8 +78,12 @@ def _ucx_loop() -> asyncio.AbstractEventLoop:
                 if key == "UCX_TLS" and not torch.cuda.is_available():
                     value = "tcp,sm"  # naming absent CUDA transports makes UCX warn on stdout
                 os.environ.setdefault(key, value)
-            import ucxx  # noqa: F401 - heavy: loads libucx
+            import ucxx  # heavy: loads libucx
 
+            # ucxx's notifier thread is not a daemon thread and runs until told to stop: without
+            # this, any process that touched UCX (a ucx:// daemon, or auto's probe in a tcp:// one)
+            # hangs at exit until SIGKILL. Runs before the interpreter joins non-daemon threads.
+            threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="ucx-loop", daemon=True).start()
         return _loop
