@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -24,16 +23,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from proc_cpu import cpu_seconds
 
 from zend.cluster.local import LocalCluster
 from zend.core.sparse import SparseGrad
 from zend.protocol.session import TrainerSession
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def steps_per_second(c: LocalCluster, seconds: float, job: str) -> float:

@@ -163,7 +163,7 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
     while step < args.steps:
         batch = batch_of(step)
         fault_point(args, rank, step)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         try:
             loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
         except Exception as exc:
@@ -176,7 +176,9 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
         if ckpt is not None and state_of is not None:
             ckpt.maybe_save(state_of(), step)
         seconds = time.perf_counter() - t0
-        row: dict[str, Any] = {"step": step, "loss": loss.item(), "seconds": seconds}
+        # the trainer's CPU (every thread) beside the wall time; `end` places the step on the wall clock
+        row: dict[str, Any] = {"step": step, "loss": loss.item(), "seconds": seconds,
+                               "cpu_seconds": time.process_time() - cpu0, "end": time.time()}
         if client is not None:
             row.update(wire_of(client))
         else:
