@@ -80,10 +80,13 @@ def _ucx_loop() -> asyncio.AbstractEventLoop:
                 os.environ.setdefault(key, value)
             import ucxx  # heavy: loads libucx
 
-            # ucxx's notifier thread is not a daemon thread and runs until told to stop: without
-            # this, any process that touched UCX (a ucx:// daemon, or auto's probe in a tcp:// one)
-            # hangs at exit until SIGKILL. Runs before the interpreter joins non-daemon threads.
-            threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
+            # ucxx's notifier thread runs until told to stop and inherits its creator's daemon flag:
+            # created on the main thread (auto's probe, offered_transports) it is a non-daemon
+            # thread, and the process hung at exit until SIGKILL. The hook runs before the
+            # interpreter joins non-daemon threads (atexit would be too late); it can only fail
+            # once shutdown has begun, when there is nothing left to stop.
+            with contextlib.suppress(RuntimeError):
+                threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="ucx-loop", daemon=True).start()
         return _loop
