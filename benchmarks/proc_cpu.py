@@ -16,9 +16,12 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of `pid` so far (clock-tick resolution, 10 ms here)."""
+    """utime + stime of every thread of `pid` so far (clock-tick resolution, 10 ms here);
+    ProcessLookupError once it has ended (an unreaped child stays readable, as a zombie)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces or ')'
+    if fields[0] in ("Z", "X"):
+        raise ProcessLookupError(f"process {pid} has ended")
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
@@ -44,22 +47,28 @@ class CpuSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            before = time.time()
             try:
                 cpu = [cpu_seconds(p) for p in self._pids]
             except (FileNotFoundError, ProcessLookupError):
                 return  # a process ended: the window of interest is over
-            self._times.append(time.time())
-            self._cpu.append(cpu)
+            self._cpu.append(cpu)  # first: a reader that sees the time sees its sample
+            self._times.append((before + time.time()) / 2)
             self._stop.wait(self._period)
 
     def _at(self, t: float) -> list[float]:
-        i = bisect.bisect_right(self._times, t) - 1  # the last sample at or before t
-        if i < 0:
-            raise ValueError(f"no CPU sample at or before {t:.3f} (the first is at {self._times[0]:.3f})")
-        return self._cpu[i]
+        """The CPU of each process at t, interpolated between the samples either side of it."""
+        i = bisect.bisect_right(self._times, t)
+        if i == 0 or i == len(self._times):
+            raise ValueError(f"no CPU samples either side of {t:.3f} (they span {self._times[0]:.3f}.."
+                             f"{self._times[-1]:.3f}): did a process end early?")
+        t_a, t_b = self._times[i - 1], self._times[i]
+        w = (t - t_a) / (t_b - t_a) if t_b > t_a else 0.0
+        return [a + w * (b - a) for a, b in zip(self._cpu[i - 1], self._cpu[i], strict=True)]
 
     def between(self, t0: float, t1: float) -> list[float]:
-        """Each process's CPU seconds from wall time t0 to t1 (both time.time())."""
-        if not self._times or t1 > self._times[-1] + 2 * self._period + 0.1:
-            raise ValueError(f"the samples end before {t1:.3f}: did a process end early?")
+        """Each process's CPU seconds from wall time t0 to t1 (both time.time()); ValueError where
+        the samples do not reach both (a process ended, or the window is still open)."""
+        if not self._times:
+            raise ValueError("no CPU samples")
         return [b - a for a, b in zip(self._at(t0), self._at(t1), strict=True)]

@@ -17,8 +17,10 @@ Examples (--example): gpt, example (a), examples/gpt_sparse.py; gpt-sampled, the
 sampled-softmax output embedding (sparse tables >= 70% of the parameters); recsys, example (b),
 examples/recsys.py (MovieLens, `make data` or scripts/fetch_movielens.py first). Needs root and iproute2.
 Beside wall time, CPU per step and per process (every thread, user + kernel): rank 0's trainer (its
-process_time over the step) and the mean daemon (/proc, over the same timed steps). With n ranks and n
-daemons on two cores, wall time mixes everyone's CPU; the CPU columns are what a node would spend.
+process_time over each timed step: its batch and report left out) and the mean daemon (/proc, sampled
+every 10 ms and interpolated, from the end of the last warm-up step to the end of the last step, the
+gaps between steps included). With n ranks and n daemons on two cores, wall time mixes everyone's
+CPU; the CPU columns are what a node would spend.
 
     .venv/bin/python benchmarks/train_throughput.py [--example gpt] [--nodes 4] [--rate-mbit 100] [--steps 12]
         [--json]
@@ -33,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import mean
 
@@ -85,8 +88,12 @@ def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path
         rows = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
         daemon_cpu = None
         if sampler is not None:  # from the end of the last warm-up step to the end of the last step
-            per_daemon = sampler.between(rows[args.skip - 1]["end"], rows[-1]["end"])
-            daemon_cpu = mean(per_daemon) / (len(rows) - args.skip)
+            time.sleep(0.05)  # a sample after the last step's end
+            try:
+                per_daemon = sampler.between(rows[args.skip - 1]["end"], rows[-1]["end"])
+                daemon_cpu = mean(per_daemon) / (len(rows) - args.skip)
+            except ValueError as exc:  # the run's wall time still counts
+                print(f"  {name}: no daemon CPU: {exc}", file=sys.stderr, flush=True)
     return rows, daemon_cpu
 
 

@@ -214,7 +214,7 @@ def model_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Callable[
 
 
 def report_step(row: dict[str, Any], steps: int, what: str, as_json: bool) -> None:
-    """`row` has step, loss, seconds, wire_bytes (NaN without zen) and dense_bytes; `what` names the
+    """`row` has step, loss, seconds, cpu_seconds, end, wire_bytes (NaN without zen) and dense_bytes; `what` names the
     tensors counted on the wire ("embedding", "tables")."""
     if as_json:
         print(json.dumps(row), flush=True)
