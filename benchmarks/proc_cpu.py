@@ -69,6 +69,9 @@ class CpuSampler:
     def between(self, t0: float, t1: float) -> list[float]:
         """Each process's CPU seconds from wall time t0 to t1 (both time.time()); ValueError where
         the samples do not reach both (a process ended, or the window is still open)."""
+        deadline = time.time() + 10 * self._period  # a window that just closed: its next sample is due
+        while (not self._times or self._times[-1] < t1) and self._thread.is_alive() and time.time() < deadline:
+            time.sleep(self._period)
         if not self._times:
             raise ValueError("no CPU samples")
         return [b - a for a, b in zip(self._at(t0), self._at(t1), strict=True)]

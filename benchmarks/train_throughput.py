@@ -35,7 +35,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from statistics import mean
 
@@ -88,7 +87,6 @@ def run_one(name: str, args: argparse.Namespace, emulated: object, workdir: Path
         rows = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
         daemon_cpu = None
         if sampler is not None:  # from the end of the last warm-up step to the end of the last step
-            time.sleep(0.05)  # a sample after the last step's end
             try:
                 per_daemon = sampler.between(rows[args.skip - 1]["end"], rows[-1]["end"])
                 daemon_cpu = mean(per_daemon) / (len(rows) - args.skip)
