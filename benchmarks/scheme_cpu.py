@@ -7,6 +7,7 @@ cProfile over the replay attributes that time to the stages of the scheme (parti
 encode, decode, keyed sum, finish, assemble, coalesce, dense ops).
 
     python benchmarks/scheme_cpu.py [--nodes 4,8] [--dim 64 --seqs 8] [--schemes zen,sparse_ps] [--json]
+        [--duplicates [--coalesce sort]]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from zend.core import Channel, make_scheme
+from zend.core import Channel, make_scheme, sparse
 from zend.core.comm import Communicator
 from zend.core.schemes.auto import candidates
 from zend.core.sparse import SparseGrad
@@ -124,23 +125,31 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--schemes", default=",".join(candidates()), help="default: auto's candidates")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--duplicates", action="store_true",
+                   help="a row per token, duplicates included, as nn.Embedding(sparse=True) gives them")
+    p.add_argument("--coalesce", choices=["auto", "sort"], default="auto",
+                   help="how duplicates are summed: auto (a slot per row for small tables), or always a sort")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.coalesce == "sort":
+        sparse.SLOT_COALESCE_ROWS_PER_INPUT = 0
     torch.set_num_threads(1)
     tune_allocator()
     trace = TokenTrace.default(seqs=args.seqs)
     rows = []
     for n in (int(x) for x in args.nodes.split(",")):
-        grads = [trace.embedding_grad(r, 1, args.dim) for r in range(n)]
+        grads = [trace.embedding_grad(r, 1, args.dim, coalesced=not args.duplicates) for r in range(n)]
         for name in args.schemes.split(","):
             best, stages = profile(name, grads, args.repeat)
             rows.append({"n": n, "scheme": name, "ms": best * 1e3,
                          "stages_ms": {k: round(v * 1e3, 3) for k, v in sorted(stages.items())}})
     if args.json:
-        print(json.dumps({"dim": args.dim, "seqs": args.seqs, "rows": rows}))
+        print(json.dumps({"dim": args.dim, "seqs": args.seqs, "duplicates": args.duplicates,
+                          "coalesce": args.coalesce, "rows": rows}))
         return
     print(f"one rank's CPU time on one core, GPT-2 trace {args.seqs}x512 tokens, rows of {args.dim} fp32, "
-          f"best of {args.repeat}")
+          f"best of {args.repeat}"
+          + (f"; a row per token, duplicates summed by {args.coalesce}" if args.duplicates else ""))
     names = sorted({k for r in rows for k in r["stages_ms"]})
     print(f"{'n':>3} {'scheme':<10} {'ms':>7}  " + " ".join(f"{k:>10}" for k in names))
     for r in rows:

@@ -129,9 +129,10 @@ def main() -> int:
                              rows[0]["loss"], rows[-1]["loss"])
             print(f"  {name}: {results[name][0] * 1e3:.0f} ms/step", file=sys.stderr, flush=True)
     gloo = [v[0] for k, v in results.items() if k.startswith("gloo")]
-    best_gloo = min(gloo) if gloo else float("nan")
+    best_gloo = min(gloo) if gloo else None  # no gloo run: no ratio (not NaN, which is not JSON)
     local = results["local"][0] if "local" in results else None
-    table = [{"run": name, "ms_per_step": sec * 1e3, "steps_per_s": 1 / sec, "vs_best_gloo": best_gloo / sec,
+    table = [{"run": name, "ms_per_step": sec * 1e3, "steps_per_s": 1 / sec,
+              "vs_best_gloo": None if best_gloo is None else best_gloo / sec,
               "comm_share": (max(0.0, 1 - local / sec) if local is not None and name != "local" else None),
               "trainer_cpu_ms": cpu * 1e3, "daemon_cpu_ms": None if daemon is None else daemon * 1e3,
               "loss_first": first, "loss_last": last}
@@ -148,7 +149,8 @@ def main() -> int:
     for r in table:
         share = f"{r['comm_share']:10.0%}" if r["comm_share"] is not None else f"{'-':>10}"
         daemon = f"{r['daemon_cpu_ms']:10.1f}" if r["daemon_cpu_ms"] is not None else f"{'-':>10}"
-        print(f"{r['run']:<16} {r['ms_per_step']:>8.0f} {r['steps_per_s']:>8.2f} {r['vs_best_gloo']:>11.2f}x {share} "
+        ratio = f"{r['vs_best_gloo']:>11.2f}x" if r["vs_best_gloo"] is not None else f"{'-':>12}"
+        print(f"{r['run']:<16} {r['ms_per_step']:>8.0f} {r['steps_per_s']:>8.2f} {ratio} {share} "
               f"{r['trainer_cpu_ms']:>11.1f} {daemon} {r['loss_first']:>10.3f} {r['loss_last']:>10.3f}")
     return 0
 

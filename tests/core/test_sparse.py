@@ -2,9 +2,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from zend.core import SparseGrad, SparseGradError, TopKCompressor, from_dense, from_torch_sparse
+from zend.core import SparseGrad, SparseGradError, TopKCompressor, from_dense, from_torch_sparse, sparse
+from zend.core.sparse import sum_by_slot, sum_by_sort
 
 pytestmark = pytest.mark.inprocess
 
@@ -61,6 +64,34 @@ def test_coalesce_sums_in_float32_then_rounds_once(dtype):
     co = SparseGrad(idx, vals, 10).coalesce()
     expected = (vals.float().sum(0)).to(dtype)
     assert torch.equal(co.values[0], expected)
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 63), min_size=1, max_size=300),
+    row_shape=st.sampled_from([(), (1,), (3,), (2, 2)]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_slot_per_row_sums_duplicates_to_the_same_bits_as_the_stable_sort(rows, row_shape, dtype, seed):
+    idx = torch.tensor(rows)
+    vals = torch.randn((len(rows), *row_shape), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    flat = SparseGrad(idx, vals, 64).flat_values()
+    by_slot, by_sort = sum_by_slot(idx, flat, 64), sum_by_sort(idx, flat, deterministic=True)
+    assert torch.equal(by_slot[0], by_sort[0]) and torch.equal(by_slot[1], by_sort[1])
+    assert by_slot[0].tolist() == sorted(set(rows))
+
+
+@pytest.mark.parametrize("num_rows, slot", [(16 * 6, True), (16 * 6 + 1, False)])
+def test_coalesce_takes_a_slot_per_row_only_while_the_table_is_small_beside_the_rows_given(
+        monkeypatch, num_rows, slot):
+    taken = []
+    monkeypatch.setattr(sparse, "sum_by_slot", lambda *a: taken.append("slot") or sum_by_sort(a[0], a[1], True))
+    monkeypatch.setattr(sparse, "sum_by_sort", lambda *a: taken.append("sort") or sum_by_sort(*a))
+    co = SparseGrad(torch.tensor([9, 2, 9, 0, 2, 9]), torch.arange(6.0), num_rows).coalesce()
+    assert taken == ["slot" if slot else "sort"]
+    assert co.indices.tolist() == [0, 2, 9] and co.values.tolist() == [3.0, 5.0, 7.0]
 
 
 @pytest.mark.parametrize(
