@@ -7,6 +7,7 @@ The daemon side (BufferServer) runs in the test process; trainers are subprocess
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import json
@@ -41,6 +42,7 @@ from zend.buffers import (
     SharedBufferError,
     wire,
 )
+from zend.protocol.step import StepResult
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -541,6 +543,14 @@ def test_protocol_rejects_malformed_requests_naming_the_problem() -> None:
         wire.parse_request({"op": "hello", "session": "s", "token": "t\n"})
     hello = wire.parse_request({"op": "hello", "session": "s", "token": "secret-token"})
     assert hello == wire.Hello("s", "secret-token") and "secret-token" not in repr(hello)
+
+
+@pytest.mark.inprocess
+def test_a_step_result_on_the_wire_has_every_field_and_comes_back_equal() -> None:
+    result = StepResult(7, 3, "auto:zen", 100, 90, 4096, {"exchange": 0.25, "commit": 0.5}, 2, 4)
+    body = json.loads(json.dumps(result.to_wire()))
+    assert body == dataclasses.asdict(result)  # a field added to StepResult and not to to_wire fails here
+    assert StepResult.from_wire(body, 7) == result
 
 
 # -- the socket file --------------------------------------------------------------------------

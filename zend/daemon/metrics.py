@@ -22,7 +22,7 @@ import hmac
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -337,23 +337,39 @@ class _CountingCommunicator(Communicator):
         self.inner, self.metrics = inner, metrics
         self._peer = [str(n) for n in nodes] if nodes else [str(r) for r in range(inner.world_size)]
         self.rank, self.world_size, self.sends_copy = inner.rank, inner.world_size, inner.sends_copy
+        # each peer's labelled counters, made at its first message: labels() costs a lock and a
+        # dict lookup, and a step counts dozens of messages (the series are never removed)
+        self._sent: dict[int, Any] = {}
+        self._received: dict[int, Any] = {}
+
+    def _count_sent(self, dst: int, payload: torch.Tensor) -> None:
+        counter = self._sent.get(dst)
+        if counter is None:
+            counter = self._sent[dst] = self.metrics.bytes_sent.labels(peer=self._peer[dst])
+        counter.inc(payload.numel() * payload.element_size())
+
+    def _count_received(self, src: int, payload: torch.Tensor) -> None:
+        counter = self._received.get(src)
+        if counter is None:
+            counter = self._received[src] = self.metrics.bytes_received.labels(peer=self._peer[src])
+        counter.inc(payload.numel() * payload.element_size())
 
     def send(self, dst: int, tag: str, payload: torch.Tensor) -> None:
         self.inner.send(dst, tag, payload)
-        self.metrics.bytes_sent.labels(peer=self._peer[dst]).inc(payload.numel() * payload.element_size())
+        self._count_sent(dst, payload)
 
     def recv(self, src: int, tag: str, timeout_s: float | None = None) -> torch.Tensor:
         payload = self.inner.recv(src, tag, timeout_s)
-        self.metrics.bytes_received.labels(peer=self._peer[src]).inc(payload.numel() * payload.element_size())
+        self._count_received(src, payload)
         return payload
 
     def exchange(self, sends: Sequence[tuple[int, str, torch.Tensor]], recvs: Sequence[tuple[int, str]],
                  timeout_s: float | None = None) -> list[torch.Tensor]:
         got = self.inner.exchange(sends, recvs, timeout_s)
         for dst, _, payload in sends:
-            self.metrics.bytes_sent.labels(peer=self._peer[dst]).inc(payload.numel() * payload.element_size())
+            self._count_sent(dst, payload)
         for (src, _), payload in zip(recvs, got, strict=True):
-            self.metrics.bytes_received.labels(peer=self._peer[src]).inc(payload.numel() * payload.element_size())
+            self._count_received(src, payload)
         return got
 
     def abort(self, prefix: str, reason: str, code: str = "ABORTED") -> None:

@@ -9,7 +9,7 @@ status name into its typed error from one table (zen.errors).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from zend.api.zen.v1 import zen_pb2 as pb
@@ -107,8 +107,10 @@ class StepResult:
     generation: int = 0  # the membership generation the step ran in (0 from an older daemon)
     node_count: int = 0  # its number of nodes
 
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_wire(self) -> dict[str, Any]:  # field by field: asdict deep-copies every field, 0.3 ms a step
+        return {"step": self.step, "nnz": self.nnz, "scheme": self.scheme, "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received, "dense_bytes": self.dense_bytes, "phases": dict(self.phases),
+                "generation": self.generation, "node_count": self.node_count}
 
     @classmethod
     def from_wire(cls, body: dict[str, Any], step: int) -> StepResult:
