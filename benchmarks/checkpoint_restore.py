@@ -242,4 +242,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zend.cluster.launcher import signals_end_the_job
+
+    with signals_end_the_job():  # SIGTERM unwinds like Ctrl-C: its namespaces and processes go too
+        sys.exit(main())

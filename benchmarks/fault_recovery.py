@@ -225,4 +225,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from zend.cluster.launcher import signals_end_the_job
+
+    with signals_end_the_job():  # SIGTERM unwinds like Ctrl-C: its namespaces and processes go too
+        main()
