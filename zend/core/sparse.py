@@ -52,6 +52,7 @@ def first_nonfinite(values: torch.Tensor) -> tuple[int, float] | None:
 # Coalescing through a slot per row of the table (a counting sort: two passes over num_rows, none
 # of them per value) beats a comparison sort (nnz log nnz) until the table is about 40 times the rows
 # given, measured on CPU at 26k-1M rows; 16 keeps a margin. A recommender's small tables land here.
+# CPU only: on a GPU index_add_ adds in no fixed order.
 SLOT_COALESCE_ROWS_PER_INPUT = 16
 
 
@@ -190,7 +191,7 @@ class SparseGrad:
         if ascending(idx):
             return SparseGrad(idx, self.values, self.num_rows, self.name, True)
         vals = self.flat_values()
-        if not vals.is_cuda and self.num_rows <= SLOT_COALESCE_ROWS_PER_INPUT * self.nnz:
+        if vals.device.type == "cpu" and self.num_rows <= SLOT_COALESCE_ROWS_PER_INPUT * self.nnz:
             unique, summed = sum_by_slot(idx, vals, self.num_rows)
         else:
             unique, summed = sum_by_sort(idx, vals, deterministic)
