@@ -401,7 +401,8 @@ class Client:
                 raise from_rpc_error(exc, self.address) from None
             except SharedBufferError as exc:  # its result buffer was refused
                 raise from_buffer_error(exc, f"tensor {name!r}") from None
-            entry = self._tensors[name] = _Tensor(handle, kind, shape)
+            # a tensor the job already stepped (every trainer restarted on live daemons) goes on where it is
+            entry = self._tensors[name] = _Tensor(handle, kind, shape, next_step=handle.next_step)
         elif entry.kind != kind or entry.shape != shape or entry.handle.spec.dtype != grad.dtype:
             raise InvalidGradient(f"tensor {name!r} was first synchronised as {entry.kind} {list(entry.shape)} "
                                   f"{entry.handle.spec.dtype_name}, now as {kind} {list(shape)} {grad.dtype}")

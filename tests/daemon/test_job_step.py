@@ -96,3 +96,32 @@ def test_after_every_daemon_restarted_a_trainer_a_step_behind_is_told_where_the_
     finally:
         for z in trainers:
             z.close()
+
+
+def test_a_whole_job_restarted_on_live_daemons_goes_on_where_each_tensor_is_without_naming_steps(fresh_cluster):
+    """Every trainer restarted at once (torchrun restarting a failed job, a job resubmitted), the daemons alive:
+    the new trainers' first steps, numbered by the client (as DDP's backend and hook do), are each tensor's next
+    step on the daemons, not 0, which the daemons had synchronised already (every trainer got OutOfOrder, and a
+    loop that resumes from a checkpoint got it again at every step). Tensors stepped unequally keep their own."""
+    c = fresh_cluster(2, elastic=True, extra=EXTRA)
+    trainers = [client(c, n) for n in range(2)]
+    try:
+        for step in range(5):  # "emb" at every iteration, "head" at the first three only
+            run_all([lambda z=z, n=n, s=step: z.allreduce(grad(s, n), name="emb") for n, z in enumerate(trainers)])
+            if step < 3:
+                run_all([lambda z=z, n=n, s=step: z.allreduce(grad(s, n), name="head")
+                         for n, z in enumerate(trainers)])
+        for z in trainers:
+            z.close()
+        trainers = [client(c, n) for n in range(2)]
+        for name, at in (("emb", 5), ("head", 3)):
+            outs = run_all([lambda z=z, n=n, name=name, at=at: z.allreduce(grad(at, n), name=name)
+                            for n, z in enumerate(trainers)])
+            for out in outs:
+                assert isinstance(out, torch.Tensor), out
+                torch.testing.assert_close(out.to_dense(), expected(at))
+            assert [z._tensors[name].next_step for z in trainers] == [at + 1, at + 1]
+            assert [z.last_stats(name).step for z in trainers] == [at, at]  # type: ignore[union-attr]
+    finally:
+        for z in trainers:
+            z.close()

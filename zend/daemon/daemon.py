@@ -163,7 +163,7 @@ class Daemon:
         s, count_error = self.settings, self.metrics.count_error
         trainer = TrainerService(self.registry, self.trainer_steps, lambda: self.membership, s.buffer_socket,
                                  self.new_scheme, self.end_session, s.step_timeout_s, count_error, self.not_whole,
-                                 self.job_step, self.checkpoints)
+                                 self.job_step, self.checkpoints, self.tensor_step)
         trainer.record_restore = self.metrics.record_restore
         operator = OperatorService(self.status, self.drain, self.undrain, s.drain_timeout_s, count_error,
                                    operator_token(self.secret))
@@ -411,6 +411,22 @@ class Daemon:
             reached += [(tid, step) for (j, tid), step in self.tensor_steps.items() if j == job]
         reached += list(self.trainer_steps.open_steps_of(job).items())
         return where_the_job_is(self.job_steps.get(job, 0), reached)
+
+    def tensor_step(self, job: str, tensor_id: int) -> int:
+        """The step tensor `tensor_id` of `job` is at, as far as this node knows: job_step's sources for this one
+        tensor (the step after its last one here, a step it was found at elsewhere, a step a trainer here waits
+        in), and never below what the generation agreed for the job; 0 for a tensor new to the job. A trainer
+        that registers the tensor mid-job (every trainer of the job restarted on live daemons) steps from here."""
+        try:
+            stats = self.registry.tensor(job, tensor_id).stats
+            reached = [stats.last_step + 1] if stats.steps else []
+        except StepError:  # not registered (any more): nothing ran here
+            reached = []
+        with self._steps_lock:
+            reached.append(self.tensor_steps.get((job, tensor_id), 0))
+            agreed = self.job_steps.get(job, 0)
+        reached.append(self.trainer_steps.open_steps_of(job).get(tensor_id, 0))
+        return max(agreed, *reached)
 
     def still_changing(self, why: str) -> None:
         self.node_state.apply(changing(why))

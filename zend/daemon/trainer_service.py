@@ -59,17 +59,19 @@ class TrainerService(pb_grpc.TrainerServicer):
         not_whole: why the node's membership is not whole now (None when it is); quick, it is polled.
         job_step: the step a job was at when the current generation formed (0 if unknown).
         checkpoints: the node's in-memory checkpoints (None: a daemon without them).
+        tensor_step: (job, tensor id) -> the step that tensor is at on this node (0 if new to the job).
     """
 
     def __init__(self, registry: JobRegistry, trainer_steps: TrainerSteps, membership: Callable[[], Membership],
                  buffer_socket: str, new_scheme: Callable[[], Scheme], end_session: Callable[[str], None],
                  step_timeout_s: float, count_error: Callable[[str], None],
                  not_whole: Callable[[], str | None] = lambda: None,
-                 job_step: Callable[[str], int] = lambda job: 0, checkpoints: CheckpointKeeper | None = None):
+                 job_step: Callable[[str], int] = lambda job: 0, checkpoints: CheckpointKeeper | None = None,
+                 tensor_step: Callable[[str, int], int] = lambda job, tensor_id: 0):
         self.registry, self.trainer_steps, self.membership = registry, trainer_steps, membership
         self.buffer_socket, self.new_scheme, self.end_session = buffer_socket, new_scheme, end_session
         self.step_timeout_s, self.count_error = step_timeout_s, count_error
-        self.not_whole, self.job_step = not_whole, job_step
+        self.not_whole, self.job_step, self.tensor_step = not_whole, job_step, tensor_step
         self.checkpoints = checkpoints
         self.record_restore: Callable[[int, float], None] | None = None  # metrics: (bytes, seconds) of a read
 
@@ -143,7 +145,8 @@ class TrainerService(pb_grpc.TrainerServicer):
             raise StepError(codes.INVALID_ARGUMENT, str(exc)) from None
         state = self.registry.register(s, spec, self.new_scheme)
         return pb.RegisterTensorReply(tensor_id=state.tensor_id, scheme=state.scheme.name,
-                                      max_result_bytes=spec.max_bytes)
+                                      max_result_bytes=spec.max_bytes,
+                                      next_step=self.tensor_step(s.job, state.tensor_id))
 
     @maps_errors
     async def Submit(self, request: Any, context: Any) -> Any:

@@ -42,6 +42,7 @@ class TensorHandle:
     input: Any = None   # SharedBuffer, grown as needed
     result: Any = None  # SharedBuffer sized for the worst case (pages are only used when written)
     last_reply: StepResult | None = None  # this tensor's last step
+    next_step: int = 0  # where the daemon said the tensor was when it was registered (0: new to the job)
 
 
 class TrainerSession:
@@ -86,7 +87,8 @@ class TrainerSession:
             session_id=self.session_id, name=name, shape=list(shape), dtype=DTYPE_TO_PROTO[dtype_name],
             layout=LAYOUT_TO_PROTO[layout], average=average), timeout=self.timeout_s, metadata=self.metadata)
         spec = TensorSpec(self.job, name, tuple(shape), dtype_name, layout, average)
-        return TensorHandle(reply.tensor_id, spec, device, result=self.buffers.alloc(reply.max_result_bytes, device))
+        return TensorHandle(reply.tensor_id, spec, device, result=self.buffers.alloc(reply.max_result_bytes, device),
+                            next_step=reply.next_step)
 
     def ready(self, timeout_s: float) -> Any:
         """The daemon's ReadyReply once the node's membership is whole, or after timeout_s (ready false)."""

@@ -91,14 +91,16 @@ class RegisterTensorRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., layout: _Optional[_Union[Layout, str]] = ..., average: bool = ...) -> None: ...
 
 class RegisterTensorReply(_message.Message):
-    __slots__ = ("tensor_id", "scheme", "max_result_bytes")
+    __slots__ = ("tensor_id", "scheme", "max_result_bytes", "next_step")
     TENSOR_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     tensor_id: int
     scheme: str
     max_result_bytes: int
-    def __init__(self, tensor_id: _Optional[int] = ..., scheme: _Optional[str] = ..., max_result_bytes: _Optional[int] = ...) -> None: ...
+    next_step: int
+    def __init__(self, tensor_id: _Optional[int] = ..., scheme: _Optional[str] = ..., max_result_bytes: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("session_id", "tensor_id", "step", "input", "nnz", "result")
