@@ -30,6 +30,13 @@ def add_run_args(p: argparse.ArgumentParser, steps: int = 100) -> None:
     p.add_argument("--restart-daemon-at", type=int, default=None, metavar="STEP",
                    help="with --launch --backend zen|zen-hook: kill -9 node 1's daemon as step STEP starts and "
                         "start it again; the loop waits for the cluster and redoes the step (an elastic cluster)")
+    p.add_argument("--kill-trainer-at", type=int, default=None, metavar="STEP",
+                   help="the last rank's trainer dies (exit 1, no cleanup) as step STEP starts, in its first life "
+                        "only; with --max-restarts and --checkpoint-every the job restarts and resumes")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --launch: torchrun restarts every trainer of the job after one fails, up to N times "
+                        "(ranks from its c10d rendezvous); with --checkpoint-every they resume from the newest "
+                        "in-memory checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="with --backend zen|zen-hook: an in-memory checkpoint (model and optimiser, through zend; "
                         "zen.checkpoint) every K steps, and at start the newest one complete on every rank is loaded "
@@ -52,7 +59,8 @@ def launch(script: str, args: argparse.Namespace, job: str) -> int:
 
     forward = [a for a in sys.argv[1:] if a != "--launch"]
     return run_local_job([script, *forward], args.nodes, args.trainers, job,
-                         with_zen=args.backend.startswith("zen"), restart_daemon_at=args.restart_daemon_at)
+                         with_zen=args.backend.startswith("zen"), restart_daemon_at=args.restart_daemon_at,
+                         max_restarts=args.max_restarts)
 
 
 def join_job(seed: int, backend: str, pg_options: Any = None) -> tuple[int, int]:
@@ -64,8 +72,24 @@ def join_job(seed: int, backend: str, pg_options: Any = None) -> tuple[int, int]
     if backend == "zen":
         import zen  # noqa: F401  (registers the backend)
     dist.init_process_group("zen" if backend == "zen" else "gloo", rank=rank, world_size=world,
-                            pg_options=pg_options if backend == "zen" else None)
+                            store=store_of_this_life(rank), pg_options=pg_options if backend == "zen" else None)
     return rank, world
+
+
+def store_of_this_life(rank: int) -> dist.Store | None:
+    """Under torchrun, the job's store with a prefix of its own for this life of the job (None elsewhere: torch's
+    default). torchrun keeps one store across the restarts of --max-restarts, and the process groups of a new life
+    read the dead one's addresses from it: on torch 2.13 every restart here failed in gloo's connectFullMesh
+    ("Connection refused"). The life is counted per rank, which every life of the job starts once: torchrun's own
+    restart count is not shared, since a node restarted for another node's failure does not count it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=5))
+    life = store.add(f"zen-examples/lives/{rank}", 1)
+    return dist.PrefixStore(f"zen-examples/life{life}/", store)
 
 
 def wrap(model: nn.Module, backend: str, **hook_options: Any) -> tuple[nn.Module, Any, Any]:
@@ -123,6 +147,16 @@ def fault_point(args: argparse.Namespace, rank: int, step: int) -> None:
         time.sleep(0.05)
 
 
+def kill_point(args: argparse.Namespace, rank: int, step: int) -> None:
+    """--kill-trainer-at: the last rank dies as step STEP starts, as a crashed trainer would (no cleanup, no
+    goodbye to its daemon or its process group), once: torchrun counts its restarts of the job."""
+    if args.kill_trainer_at != step or rank != dist.get_world_size() - 1 \
+            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    print(f"rank {rank}: killed as step {step} starts (--kill-trainer-at)", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def checkpointer(args: argparse.Namespace, client: Any) -> Any:
     """--checkpoint-every: zen's in-memory checkpoints (None without them)."""
     if not args.checkpoint_every or client is None:
@@ -154,9 +188,9 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
     timed from the batch on; `wire_of(client)` gives the daemon's bytes (only with zen). With
     --checkpoint-every, `state_of()` (DCP's state dict of the model and optimiser) is checkpointed in
     memory, its time inside the step's, and the loop starts after the newest complete one (`load` puts
-    a loaded state back); after zen.OutOfOrder (the job moved on without this rank) it loads the newest
-    again and goes on from there. Reports on rank 0, then closes the client and the process group.
-    Returns one row per step."""
+    a loaded state back): a job that torchrun restarted after a trainer failed (--max-restarts) resumes
+    there on every rank, with the same state. Reports on rank 0, then closes the client and the process
+    group. Returns one row per step."""
     rows: list[dict[str, Any]] = []
     ckpt = checkpointer(args, client)
     step = resume(ckpt, state_of, load)
@@ -164,15 +198,10 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
         batch = batch_of(step)
         fault_point(args, rank, step)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        try:
-            loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
-        except Exception as exc:
-            import zen
-
-            if ckpt is None or not isinstance(exc, zen.OutOfOrder):
-                raise
-            step = resume(ckpt, state_of, load)  # the job moved on: back to its newest checkpoint
-            continue
+        kill_point(args, rank, step)
+        # a failure that is not a redo (zen.OutOfOrder: the job moved on without this rank) ends the process:
+        # this rank cannot resume alone, its replica would differ from the others'; the job restarts together
+        loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
         if ckpt is not None and state_of is not None:
             ckpt.maybe_save(state_of(), step)
         seconds = time.perf_counter() - t0

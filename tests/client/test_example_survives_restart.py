@@ -1,6 +1,7 @@
 """Example (a) survives a daemon restart: node 1's zend is killed (-9) and started again as step 4
 starts; every rank's loop catches zen's abort, waits for the cluster (`Client.wait_ready`) and
-redoes the step from the same state, so the losses are those of a run without the fault."""
+redoes the step from the same state, so the losses are those of a run without the fault. And it
+survives a trainer's death: torchrun restarts the job, which resumes from its in-memory checkpoint."""
 
 from __future__ import annotations
 
@@ -48,6 +49,27 @@ def test_the_training_loop_redoes_the_aborted_step_and_its_losses_match_a_run_wi
     assert len(plain) == len(faulty) == 8
     for step, (a, b) in enumerate(zip(faulty, plain, strict=True)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: {a} with the restart, {b} without"
+
+
+def test_a_killed_trainer_restarts_the_job_which_resumes_from_its_newest_in_memory_checkpoint() -> None:
+    """GEMINI's recovery, end to end: node 1's trainer dies (exit 1, no cleanup) as step 5 starts; torchrun
+    (--max-restarts 1, c10d rendezvous) restarts every trainer; each loads the newest checkpoint complete on
+    every node from its daemon's memory (saved every 2 steps, asynchronously) and goes on after it, its zen
+    steps where the daemons are. At most the steps since that checkpoint are lost, and the losses are those
+    of a run without the fault."""
+    every = ["--checkpoint-every", "2"]
+    plain, _ = losses(every)
+    launcher = subprocess.run([sys.executable, str(ROOT / "examples/gpt_sparse.py"), *ARGS, *every, "--max-restarts",
+                               "1", "--kill-trainer-at", "5"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert launcher.returncode == 0, launcher.stdout[-3000:] + launcher.stderr[-3000:]
+    assert "rank 1: killed as step 5 starts" in launcher.stderr, launcher.stderr[-3000:]
+    rows = [json.loads(line) for line in launcher.stdout.splitlines() if line.startswith("{")]
+    steps = [r["step"] for r in rows]
+    resumed = steps[5]  # the first step of the second life: after checkpoint 4, or 2 if 4's save was in flight
+    assert steps == [0, 1, 2, 3, 4, *range(resumed, 8)] and resumed in (3, 5), steps
+    final = {r["step"]: r["loss"] for r in rows}  # each step's last run
+    for step, loss in enumerate(plain):
+        assert abs(final[step] - loss) <= RTOL * abs(loss), f"step {step}: {final[step]} resumed, {loss} without"
 
 
 def _processes_mentioning(text: str) -> list[str]:

@@ -56,18 +56,19 @@ def node_env(node: int, cluster: LocalCluster | None, job: str) -> dict[str, str
 
 
 def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int, master_port: int,
-                     master_addr: str = "127.0.0.1", rendezvous_id: str = "zen") -> list[str]:
+                     master_addr: str = "127.0.0.1", rendezvous_id: str = "zen", max_restarts: int = 0) -> list[str]:
     """torchrun for node `node` of a static multi-node job (node ranks as given, so the trainers of
     node n are ranks n*K .. n*K+K-1, beside daemon n); on this host by default. Node -1: torchrun's
-    c10d rendezvous at master_addr:master_port assigns the node ranks."""
+    c10d rendezvous at master_addr:master_port assigns the node ranks. `max_restarts`: how often torchrun
+    restarts the job's trainers after one fails (their loop resumes from the newest in-memory checkpoint)."""
     where = [f"--node-rank={node}", f"--master-addr={master_addr}", f"--master-port={master_port}"] if node >= 0 \
         else ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}", f"--rdzv-id={rendezvous_id}"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={trainers}",
-            *where, "--max-restarts=0", "--monitor-interval=0.2", *script]
+            *where, f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *script]
 
 
 def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with_zen: bool,
-                  restart_daemon_at: int | None = None, run_parent: str | None = None) -> int:
+                  restart_daemon_at: int | None = None, run_parent: str | None = None, max_restarts: int = 0) -> int:
     """`argv` (a Python script and its arguments) as NODES x TRAINERS ranks on this machine: one
     torchrun per node, as on a real cluster, each with its node's sidecar variables, beside a zend
     cluster if `with_zen`. torchrun's static rendezvous runs multi-node on one host as well.
@@ -75,6 +76,9 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
     Returns the worst exit code; when a node's torchrun fails, the others (whose ranks would wait
     for it in their process group) are stopped at once. With `restart_daemon_at` the cluster is
     elastic and node 1's daemon is killed (-9) and started again when rank 0 asks (examples/common.py).
+    With `max_restarts`, torchrun restarts every trainer of the job after one fails, up to that many times;
+    the node ranks then come from its c10d rendezvous, the one that restarts a multi-node job together (with
+    static node ranks each node's torchrun restarts alone, and the new ranks never form their group).
     The run's folder (sockets, logs, the cluster's secret) is made under `run_parent` (default: the
     temp folder) and removed at the end; when the job fails the daemons' logs are kept elsewhere
     first, and where is printed.
@@ -89,7 +93,8 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
             if with_zen else None
         port = free_port()
         fault_env = {"ZEN_EXAMPLE_FAULT_DIR": tmp} if faults else {}
-        agents = [subprocess.Popen(torchrun_command(argv, n, nodes, trainers, port),
+        agents = [subprocess.Popen(torchrun_command(argv, -1 if max_restarts else n, nodes, trainers, port,
+                                                    rendezvous_id=job, max_restarts=max_restarts),
                                    env={**os.environ, **node_env(n, cluster, job), **fault_env},
                                    start_new_session=True)  # its own group: stopping it stops its ranks
                   for n in range(nodes)]
