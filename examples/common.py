@@ -71,25 +71,11 @@ def join_job(seed: int, backend: str, pg_options: Any = None) -> tuple[int, int]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend == "zen":
         import zen  # noqa: F401  (registers the backend)
+    from zen.start import store_of_this_life  # under torchrun: a store of this life (its restarts), else None
+
     dist.init_process_group("zen" if backend == "zen" else "gloo", rank=rank, world_size=world,
                             store=store_of_this_life(rank), pg_options=pg_options if backend == "zen" else None)
     return rank, world
-
-
-def store_of_this_life(rank: int) -> dist.Store | None:
-    """Under torchrun, the job's store with a prefix of its own for this life of the job (None elsewhere: torch's
-    default). torchrun keeps one store across the restarts of --max-restarts, and the process groups of a new life
-    read the dead one's addresses from it: on torch 2.13 every restart here failed in gloo's connectFullMesh
-    ("Connection refused"). The life is counted per rank, which every life of the job starts once: torchrun's own
-    restart count is not shared, since a node restarted for another node's failure does not count it."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    from datetime import timedelta
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(minutes=5))
-    life = store.add(f"zen-examples/lives/{rank}", 1)
-    return dist.PrefixStore(f"zen-examples/life{life}/", store)
 
 
 def wrap(model: nn.Module, backend: str, **hook_options: Any) -> tuple[nn.Module, Any, Any]:

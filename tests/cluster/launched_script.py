@@ -1,8 +1,10 @@
 """A training script as a new user writes one for `zend launch`: zen.init(), then sparse all_reduce.
 
-argv: STEPS [fail|sleep]. Each rank adds rows {rank, 100} with value rank+1 and checks the sum.
+argv: STEPS [fail|sleep|die-once]. Each rank adds rows {rank, 100} with value rank+1 and checks the sum.
+die-once: the last rank dies (exit 1) before step 2 of the job's first life, for torchrun to restart it.
 """
 
+import os
 import sys
 import time
 
@@ -12,7 +14,11 @@ import zen
 
 client = zen.init()
 rank, world = dist.get_rank(), dist.get_world_size()
-for _ in range(int(sys.argv[1])):
+mode = sys.argv[2] if len(sys.argv) > 2 else ""
+first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+for step in range(int(sys.argv[1])):
+    if mode == "die-once" and step == 2 and rank == world - 1 and first_life:
+        os._exit(1)
     rows = torch.tensor([[rank, 100]])
     values = torch.full((2, 4), float(rank + 1))
     grad = torch.sparse_coo_tensor(rows, values, (128, 4), check_invariants=True).coalesce()
@@ -21,7 +27,6 @@ for _ in range(int(sys.argv[1])):
     assert torch.equal(got[100], torch.full((4,), float(sum(r + 1 for r in range(world))))), got[100]
     for r in range(world):
         assert torch.equal(got[r], torch.full((4,), float(r + 1))), (r, got[r])
-mode = sys.argv[2] if len(sys.argv) > 2 else ""
 print(f"rank {rank} of {world}: ok, job {client.job}", flush=True)
 if mode == "fail" and rank == 1:
     sys.exit(3)

@@ -77,6 +77,31 @@ def test_launch_runs_two_nodes_of_two_trainers_with_nothing_set(xdg: Path) -> No
 
 
 @pytest.mark.daemon
+def test_launch_restarts_a_job_whose_trainer_died_and_its_steps_go_on_where_the_daemons_are(xdg: Path) -> None:
+    """--max-restarts: the last rank dies before step 2; torchrun restarts both nodes' trainers (c10d), whose
+    process groups form on a store of their own life (zen.init) and whose zen steps start where the daemons
+    are, not at 0, which the daemons had synchronised already."""
+    env = _user_env(xdg)
+    proc = _launch(["--nodes", "2", "--trainers", "1", "--max-restarts", "1", "--job", "firsthour-restart", "--",
+                    SCRIPT, "3", "die-once"], env)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        _stop(proc, xdg)
+    assert proc.returncode == 0, err[-3000:]
+    assert sorted(re.findall(r"rank (\d) of 2: ok, job firsthour-restart", out)) == ["0", "1"], out
+    assert _left_running("firsthour-restart") == ""
+
+
+@pytest.mark.daemon  # a subprocess (it starts nothing)
+def test_launch_refuses_restarts_with_static_node_ranks() -> None:
+    proc = subprocess.run([sys.executable, "-m", "zend", "launch", "--nnodes", "2", "--node-rank", "0",
+                           "--master-addr", "127.0.0.1", "--max-restarts", "1", "--", SCRIPT, "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--max-restarts 1 with --node-rank 0" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.daemon
 def test_launch_ctrl_c_midway_leaves_nothing_behind(xdg: Path) -> None:
     env = _user_env(xdg)
     shm_before = set(os.listdir("/dev/shm"))

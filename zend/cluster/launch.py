@@ -38,6 +38,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--trainers", "--nproc-per-node", dest="trainers", type=int, default=1,
                    help="trainer processes per node")
     p.add_argument("--job", default="", help="the job's name (default: the script's name)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts every trainer of the job after one fails, up to this many times "
+                        "(zen.init() gives each life its own store; zen.checkpoint resumes it)")
     node = p.add_argument_group("one node of a multi-node job (torchrun's node flags)")
     node.add_argument("--nnodes", type=int, default=0, help="nodes of the job (0: this machine only, see --nodes)")
     node.add_argument("--node-rank", type=int, default=-1, help="this node's rank, 0 .. nnodes-1; left out, "
@@ -60,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("zend launch: no script: zend launch [options] -- train.py ARGS")
     if args.trainers < 1 or args.nodes < 1:
         raise SystemExit(f"zend launch: --nodes {args.nodes} and --trainers {args.trainers} must be at least 1")
+    if args.max_restarts < 0:
+        raise SystemExit(f"zend launch: --max-restarts {args.max_restarts} must be 0 or more")
+    if args.max_restarts and args.nnodes > 1 and args.node_rank >= 0:
+        raise SystemExit(f"zend launch: --max-restarts {args.max_restarts} with --node-rank {args.node_rank}: "
+                         "torchrun's static rendezvous restarts each node alone, and the new trainers never form "
+                         "their group; leave --node-rank out (its c10d rendezvous restarts every node together)")
     job = args.job or Path(script[0]).stem or "default"
     parent = args.run_dir or run_parent()
     try:
@@ -67,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
             return _one_node_of_many(args, script, job, parent)
         from zend.cluster.launcher import run_local_job
 
-        return run_local_job(script, args.nodes, args.trainers, job, with_zen=True, run_parent=parent)
+        return run_local_job(script, args.nodes, args.trainers, job, with_zen=True, run_parent=parent,
+                             max_restarts=args.max_restarts)
     except KeyboardInterrupt:
         print("zend launch: interrupted; what it started is stopped", file=sys.stderr)
         return 130
@@ -154,7 +164,8 @@ def _serve_and_train(args: argparse.Namespace, script: Sequence[str], job: str, 
                os.environ.get("OMP_NUM_THREADS", "1")}
         agent = subprocess.Popen(
             torchrun_command(script, args.node_rank, args.nnodes, args.trainers, args.master_port,
-                             master_addr=args.master_addr, rendezvous_id=job), env=env, start_new_session=True)
+                             master_addr=args.master_addr, rendezvous_id=job, max_restarts=args.max_restarts),
+            env=env, start_new_session=True)
         try:
             return abs(agent.wait())
         finally:
