@@ -125,3 +125,65 @@ def test_a_whole_job_restarted_on_live_daemons_goes_on_where_each_tensor_is_with
     finally:
         for z in trainers:
             z.close()
+
+
+CHILD = r'''
+import sys, torch, zen
+z = zen.Client(sys.argv[1], job="j", token=sys.argv[2], local_rank=0, local_world_size=1, timeout_s=60)
+value = lambda v: torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.full((2, 4), float(v)), (200, 4))
+for _ in range(3):
+    z.allreduce(value(1), name="emb")
+print("3 steps", flush=True)
+z.allreduce(value(1000), name="emb")  # step 3 starts on node 0, and waits for node 1's trainer, which is gone
+'''
+
+
+def test_a_step_running_when_every_trainer_of_its_node_died_is_aborted_not_joined_by_the_next_life(fresh_cluster):
+    """A job whose trainers all died (torchrun restarts it): node 0's step 3 had started with its dead trainer's
+    part and waited for node 1, whose trainer died before step 3. The new trainers are told step 3 (the tensor's
+    next step) and must sum their own parts: the daemons abort a step still running when the last trainer of its
+    job on a node leaves, instead of letting a new trainer join it (its sum was 1000 + 20, the dead part in it)."""
+    import subprocess
+    import sys
+    import time
+
+    c = fresh_cluster(2, elastic=True, extra=EXTRA)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, c.socket_dir(0), c.token("j")], stdout=subprocess.PIPE,
+                             text=True)
+    trainers: list[zen.Client] = []
+    try:
+        node1 = client(c, 1)
+        trainers.append(node1)
+        for _ in range(3):
+            node1.allreduce(torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.full((2, 4), 2.0), (ROWS, WIDTH)),
+                            name="emb")
+        assert child.stdout is not None and child.stdout.readline().strip() == "3 steps"
+        time.sleep(1.0)  # node 0's step 3 has started (one trainer per node: its part starts it)
+        node1.close()  # node 1's trainer dies before its step 3, then node 0's, its step running
+        child.kill()
+        child.wait()
+        trainers[:] = [client(c, n) for n in range(2)]
+        aborts: list[str] = []
+
+        def redo(z: zen.Client, v: float) -> torch.Tensor:  # the README's loop: StepAborted, wait_ready, redo
+            for _ in range(5):
+                try:
+                    return z.allreduce(torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.full((2, 4), v),
+                                                               (ROWS, WIDTH)), name="emb")
+                except zen.StepAborted as exc:
+                    aborts.append(str(exc))
+                    z.wait_ready(60)
+            raise AssertionError(f"five aborts: {aborts}")
+
+        outs = run_all([lambda z=z, v=v: redo(z, v) for z, v in zip(trainers, (10.0, 20.0), strict=True)])
+        for out in outs:
+            assert isinstance(out, torch.Tensor), out
+            assert out.to_dense()[1].tolist() == [30.0] * WIDTH, out.to_dense()[1]
+        assert any("left while it ran" in a for a in aborts), aborts  # the running step was aborted
+        assert [z._tensors["emb"].next_step for z in trainers] == [4, 4]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for z in trainers:
+            z.close()

@@ -188,6 +188,8 @@ class StepTable:
         with self._lock:
             return len(self._open) + len(self._last) + len(self._attempts)
 
-    def open_steps(self) -> list[Step]:
+    def open_steps(self, job: str | None = None, started: bool | None = None) -> list[Step]:
+        """The steps not ended: of `job` (None: any), started or not (None: both)."""
         with self._lock:
-            return list(self._open.values())
+            return [s for s in self._open.values()
+                    if job in (None, s.key.job) and started in (None, s.started)]

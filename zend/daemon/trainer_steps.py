@@ -504,7 +504,8 @@ class TrainerSteps:
             return StepError(codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: "
                                             f"{gone}")
         with self._lock:  # steps that open before a trainer takes its place fail at once, alike
-            if any(s.job == session.job for s in self.registry.session_list()):
+            last_here = not any(s.job == session.job for s in self.registry.session_list())
+            if not last_here:
                 self._gone[(session.job, session.local_rank)] = gone
             else:  # the job's last trainer here left (its end, or all restart): nothing is vacant
                 for key in [k for k in self._gone if k[0] == session.job]:
@@ -514,6 +515,12 @@ class TrainerSteps:
         for step in self.table.abandon(session.job, error_for):
             assert step.error is not None
             self._abort_everywhere(step, step.error)
+        if last_here:  # its steps that run already: nobody here takes their results, and a job whose trainers
+            # all restarted must not join them (a dead life's parts would be summed into the new life's step)
+            for step in self.table.open_steps(session.job, started=True):
+                self._abort_everywhere(step, StepError(
+                    codes.ABORTED, f"step {step.key.step} of tensor {self._tensor_name(step.key)} aborted: every "
+                                   f"trainer of job {session.job!r} on node {node} left while it ran"))
         with self._lock:
             for key in [k for k in self._open_by_session if k[0] == session.session_id]:
                 del self._open_by_session[key]
