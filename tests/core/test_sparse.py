@@ -83,6 +83,15 @@ def test_a_slot_per_row_sums_duplicates_to_the_same_bits_as_the_stable_sort(rows
     assert by_slot[0].tolist() == sorted(set(rows))
 
 
+def test_a_slot_per_row_gives_the_sorts_bits_at_a_recommenders_size_too():
+    """The sizes where torch's kernels may take other paths (vectorised, chunked) than the property test's."""
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, 20_000, (200_000,), generator=g)
+    vals = torch.randn(200_000, 16, generator=g)
+    by_slot, by_sort = sum_by_slot(idx, vals, 20_000), sum_by_sort(idx, vals, deterministic=True)
+    assert torch.equal(by_slot[0], by_sort[0]) and torch.equal(by_slot[1], by_sort[1])
+
+
 @pytest.mark.parametrize("num_rows, slot", [(16 * 6, True), (16 * 6 + 1, False)])
 def test_coalesce_takes_a_slot_per_row_only_while_the_table_is_small_beside_the_rows_given(
         monkeypatch, num_rows, slot):

@@ -415,8 +415,9 @@ class Daemon:
     def tensor_step(self, job: str, tensor_id: int) -> int:
         """The step tensor `tensor_id` of `job` is at, as far as this node knows: job_step's sources for this one
         tensor (the step after its last one here, a step it was found at elsewhere, a step a trainer here waits
-        in), and never below what the generation agreed for the job; 0 for a tensor new to the job. A trainer
-        that registers the tensor mid-job (every trainer of the job restarted on live daemons) steps from here."""
+        in), and never below the step the generation agreed for the job (0 outside elastic clusters), which is
+        all a tensor new to the job gets. A trainer that registers the tensor mid-job (every trainer of the job
+        restarted on live daemons) steps from here."""
         try:
             stats = self.registry.tensor(job, tensor_id).stats
             reached = [stats.last_step + 1] if stats.steps else []
