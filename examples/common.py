@@ -71,10 +71,8 @@ def join_job(seed: int, backend: str, pg_options: Any = None) -> tuple[int, int]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend == "zen":
         import zen  # noqa: F401  (registers the backend)
-    from zen.start import store_of_this_life  # under torchrun: a store of this life (its restarts), else None
-
     dist.init_process_group("zen" if backend == "zen" else "gloo", rank=rank, world_size=world,
-                            store=store_of_this_life(rank), pg_options=pg_options if backend == "zen" else None)
+                            pg_options=pg_options if backend == "zen" else None)
     return rank, world
 
 
@@ -135,10 +133,19 @@ def fault_point(args: argparse.Namespace, rank: int, step: int) -> None:
 
 def kill_point(args: argparse.Namespace, rank: int, step: int) -> None:
     """--kill-trainer-at: the last rank dies as step STEP starts, as a crashed trainer would (no cleanup, no
-    goodbye to its daemon or its process group), once: torchrun counts its restarts of the job."""
-    if args.kill_trainer_at != step or rank != dist.get_world_size() - 1 \
-            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    goodbye to its daemon or its process group), once in the job: a mark in the launcher's run folder says it
+    happened (a restart may give the last rank to another node, whose torchrun counts no restart of its own)."""
+    if args.kill_trainer_at != step or rank != dist.get_world_size() - 1:
         return
+    folder = os.environ.get("ZEN_EXAMPLE_FAULT_DIR")
+    if folder is None:  # not under --launch: torchrun's count of this node's restarts
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+    else:
+        try:
+            os.close(os.open(os.path.join(folder, "trainer-killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
     print(f"rank {rank}: killed as step {step} starts (--kill-trainer-at)", file=sys.stderr, flush=True)
     os._exit(1)
 

@@ -15,9 +15,20 @@ import zen
 client = zen.init()
 rank, world = dist.get_rank(), dist.get_world_size()
 mode = sys.argv[2] if len(sys.argv) > 2 else ""
-first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+def first_death() -> bool:
+    """Once in the job: a mark beside the nodes' socket folders (a restart may move the last rank to the other
+    node, whose torchrun counts no restart of its own)."""
+    mark = os.path.join(os.path.dirname(os.environ["ZEN_SOCKET_DIR"]), "died-once")
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 for step in range(int(sys.argv[1])):
-    if mode == "die-once" and step == 2 and rank == world - 1 and first_life:
+    if mode == "die-once" and step == 2 and rank == world - 1 and first_death():
         os._exit(1)
     rows = torch.tensor([[rank, 100]])
     values = torch.full((2, 4), float(rank + 1))

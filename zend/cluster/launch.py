@@ -40,7 +40,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--job", default="", help="the job's name (default: the script's name)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts every trainer of the job after one fails, up to this many times "
-                        "(zen.init() gives each life its own store; zen.checkpoint resumes it)")
+                        "(zen.checkpoint's Checkpointer.load_latest resumes the job)")
     node = p.add_argument_group("one node of a multi-node job (torchrun's node flags)")
     node.add_argument("--nnodes", type=int, default=0, help="nodes of the job (0: this machine only, see --nodes)")
     node.add_argument("--node-rank", type=int, default=-1, help="this node's rank, 0 .. nnodes-1; left out, "
@@ -139,7 +139,7 @@ def _one_node_of_many(args: argparse.Namespace, script: Sequence[str], job: str,
 def _serve_and_train(args: argparse.Namespace, script: Sequence[str], job: str, secret: bytes, rank: str,
                      reuse: bool, run_dir: Path, socket_dir: str) -> int:
     """The node's daemon unless one is reused, then torchrun; both stopped on the way out."""
-    from zend.cluster.launcher import stop_group, torchrun_command
+    from zend.cluster.launcher import RESTART_ENV, stop_group, torchrun_command
     from zend.cluster.local import wait_serving
     from zend.daemon.jobs import job_token
     from zend.protocol import paths
@@ -161,7 +161,7 @@ def _serve_and_train(args: argparse.Namespace, script: Sequence[str], job: str, 
                 raise SystemExit(f"zend launch: {exc}") from None
         env = {**os.environ, paths.SOCKET_DIR_ENV: socket_dir, "ZEN_JOB": job,
                "ZEN_JOB_TOKEN": os.environ.get("ZEN_JOB_TOKEN") or job_token(secret, job), "OMP_NUM_THREADS":
-               os.environ.get("OMP_NUM_THREADS", "1")}
+               os.environ.get("OMP_NUM_THREADS", "1"), **(RESTART_ENV if args.max_restarts else {})}
         agent = subprocess.Popen(
             torchrun_command(script, args.node_rank, args.nnodes, args.trainers, args.master_port,
                              master_addr=args.master_addr, rendezvous_id=job, max_restarts=args.max_restarts),

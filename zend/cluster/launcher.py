@@ -55,6 +55,13 @@ def node_env(node: int, cluster: LocalCluster | None, job: str) -> dict[str, str
     return env
 
 
+# torchrun's environment when it restarts trainers: by default its agent's store outlives every life of
+# the job, and the process groups of a new life read the dead one's addresses from it (on torch 2.13
+# every restart here failed in gloo's connectFullMesh, "Connection refused", with or without zen).
+# This switch of torch's c10d rendezvous has rank 0 of each life host a store of its own instead.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int, master_port: int,
                      master_addr: str = "127.0.0.1", rendezvous_id: str = "zen", max_restarts: int = 0) -> list[str]:
     """torchrun for node `node` of a static multi-node job (node ranks as given, so the trainers of
@@ -92,10 +99,12 @@ def run_local_job(argv: Sequence[str], nodes: int, trainers: int, job: str, with
         cluster = stack.enter_context(LocalCluster(nodes, Path(tmp), extra=extra, elastic=faults)) \
             if with_zen else None
         port = free_port()
-        fault_env = {"ZEN_EXAMPLE_FAULT_DIR": tmp} if faults else {}
+        # the run's folder, for the examples' faults: a daemon restart asked for, a trainer killed once
+        fault_env = {"ZEN_EXAMPLE_FAULT_DIR": tmp} if faults or max_restarts else {}
         agents = [subprocess.Popen(torchrun_command(argv, -1 if max_restarts else n, nodes, trainers, port,
                                                     rendezvous_id=job, max_restarts=max_restarts),
-                                   env={**os.environ, **node_env(n, cluster, job), **fault_env},
+                                   env={**os.environ, **node_env(n, cluster, job), **fault_env,
+                                        **(RESTART_ENV if max_restarts else {})},
                                    start_new_session=True)  # its own group: stopping it stops its ranks
                   for n in range(nodes)]
         try:
