@@ -79,8 +79,9 @@ def test_launch_runs_two_nodes_of_two_trainers_with_nothing_set(xdg: Path) -> No
 @pytest.mark.daemon
 def test_launch_restarts_a_job_whose_trainer_died_and_its_steps_go_on_where_the_daemons_are(xdg: Path) -> None:
     """--max-restarts: the last rank dies before step 2; torchrun restarts both nodes' trainers (c10d), whose
-    process groups form on a store of their own life (zen.init) and whose zen steps start where the daemons
-    are, not at 0, which the daemons had synchronised already."""
+    process groups form on a store of their own life (TORCH_DISABLE_SHARE_RDZV_TCP_STORE) and whose zen steps
+    start where the daemons are, not at 0, which the daemons had synchronised already. The step the dead life
+    left running was aborted on both nodes; the new life redoes it as its next attempt on both."""
     env = _user_env(xdg)
     proc = _launch(["--nodes", "2", "--trainers", "1", "--max-restarts", "1", "--job", "firsthour-restart", "--",
                     SCRIPT, "3", "die-once"], env)

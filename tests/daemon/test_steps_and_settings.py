@@ -77,6 +77,20 @@ def test_a_failed_step_is_a_new_attempt_and_a_success_forgets_the_count():
     assert table.entries() == 1  # the attempt count is gone, the last result kept
 
 
+def test_a_step_a_peer_aborted_before_it_opened_here_opens_at_the_next_attempt():
+    """Node 1's trainer died before step 5; node 0 aborted its attempts 0 and 1 (its trainers left), and told
+    node 1, which never had it open: node 1 opens it at attempt 2, the attempt node 0 redoes it as."""
+    voided = {(StepKey("j", 1, 5), 0), (StepKey("j", 1, 5), 1)}
+    table = StepTable(aborted=lambda key, attempt: (key, attempt) in voided)
+    step, start = table.join(StepKey("j", 1, 5), 0, "s", "p", expected=1)
+    assert start and step.attempt == 2
+    table.finish(step, error=StepError(codes.ABORTED, "node 0 lost"))
+    step, _ = table.join(StepKey("j", 1, 5), 0, "s", "p", expected=1)
+    assert step.attempt == 3  # a failure here counts on from there
+    other, _ = table.join(StepKey("j", 2, 5), 0, "s", "p", expected=1)
+    assert other.attempt == 0  # another tensor's step 5 was not aborted
+
+
 def test_steps_expire_when_a_trainer_never_comes():
     table = StepTable()
     step, _ = table.join(StepKey("j", 1, 1), 0, "s", "p", expected=2)

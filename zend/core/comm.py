@@ -102,6 +102,11 @@ class Communicator(ABC):
         `since`, if long enough that peers may have declared it lost; else None."""
         return None
 
+    def voided(self, prefix: str) -> bool:
+        """Whether `prefix` (one attempt of one step) was aborted here: by this rank or by a peer's notice,
+        which comes also for a step that has not opened here yet. Where nothing is voided: False."""
+        return False
+
     def holds(self, src: int, prefix: str) -> bool:
         """Whether a message from `src` under tag `prefix` has arrived and waits to be taken (nothing is
         taken). A peer's message for a later step says where it is. Where that cannot be seen: False."""

@@ -386,3 +386,6 @@ class _CountingCommunicator(Communicator):
 
     def holds(self, src: int, prefix: str) -> bool:
         return self.inner.holds(src, prefix)
+
+    def voided(self, prefix: str) -> bool:
+        return self.inner.voided(prefix)

@@ -106,6 +106,10 @@ class NodeSteps:
             self.comm.abort(sync_prefix(key, attempt), err.message, err.code)
             raise err from None
 
+    def aborted(self, key: StepKey, attempt: int) -> bool:
+        """Whether that attempt of the step was aborted already (here, or a peer's notice came first)."""
+        return self.comm.voided(sync_prefix(key, attempt))
+
     def abort(self, key: StepKey, attempt: int, error: StepError) -> None:
         """Abort a step that failed here before it ran (a trainer lost, or late): on every node."""
         self.comm.abort(sync_prefix(key, attempt), error.message, error.code)

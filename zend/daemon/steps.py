@@ -7,7 +7,9 @@ step of each tensor is kept so that a late repeat still gets its result.
 
 A step that failed may be submitted again: that is a new *attempt* of it (a number every node
 counts alike, since every node aborts a failed step), and its messages are tagged with it, so
-nothing of the failed attempt can mix into the new one.
+nothing of the failed attempt can mix into the new one. A step a peer aborted before it opened here
+(its trainers there left, or were late) failed on every node too: it opens here at the attempt after the
+ones aborted (`aborted`, what the node's transport was told), the attempt the other nodes redo it as.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Step:
 class StepTable:
     """Open and recently finished steps of every tensor on this node."""
 
-    def __init__(self) -> None:
+    def __init__(self, aborted: Callable[[StepKey, int], bool] = lambda key, attempt: False) -> None:
+        self._aborted = aborted  # (step, attempt) -> whether that attempt was aborted, by any node
         self._lock = threading.Lock()
         self._open: dict[StepKey, Step] = {}
         self._last: dict[tuple[str, int], Step] = {}  # (job, tensor) -> last step that succeeded
@@ -87,7 +90,10 @@ class StepTable:
                         raise StepError(FAILED_PRECONDITION,
                                         f"step {key.step} of tensor {key.tensor_id} arrived after step "
                                         f"{other.key.step} opened; steps of a tensor must come in order")
-                step = self._open[key] = Step(key, expected, self._attempts.get(key, 0), self.generation)
+                attempt = self._attempts.get(key, 0)
+                while self._aborted(key, attempt):  # a peer aborted it before it opened here
+                    attempt += 1
+                step = self._open[key] = Step(key, expected, attempt, self.generation)
             if step.expected != expected:
                 raise StepError(FAILED_PRECONDITION, f"local world size {expected} differs from {step.expected} "
                                                      f"given by the other trainers of step {key.step}")

@@ -107,7 +107,7 @@ class TrainerSteps:
         self.step_timeout_s = step_timeout_s
         self.max_submits_in_flight_per_job = max_submits_in_flight_per_job
         self._in_flight_by_job: dict[str, int] = {}  # job -> its submissions admitted and not yet released
-        self.table = StepTable()
+        self.table = StepTable(aborted=self._aborted)
         self.state = state
         self.learn_step = learn_step  # a step failed because this node is behind: a step its tensor reached
         self._node: NodeSteps | None = None
@@ -121,6 +121,10 @@ class TrainerSteps:
         """Run steps on `node` (the node's data plane of this generation)."""
         with self._lock:
             self._node = node
+
+    def _aborted(self, key: StepKey, attempt: int) -> bool:
+        node = self._node  # read once: a generation may end meanwhile (its steps are then refused anyway)
+        return node is not None and node.aborted(key, attempt)
 
     def close_node(self) -> None:
         """No step runner until the next `open` (a generation ends)."""

@@ -166,3 +166,6 @@ class InProcessCommunicator(Communicator):
 
     def holds(self, src: int, prefix: str) -> bool:
         return self.cluster.holds(src, self.rank, prefix)
+
+    def voided(self, prefix: str) -> bool:
+        return self.cluster.voided(prefix) is not None

@@ -343,6 +343,10 @@ class LinkTransport(Communicator):
                 self.links.fail(dst, link, f"failed while sending: {exc}")
                 raise CommError(f"rank {self.rank}: send to {peer.error}") from None
 
+    def voided(self, prefix: str) -> bool:
+        with self._cond:
+            return self.mailboxes.voided(prefix) is not None
+
     def holds(self, src: int, prefix: str) -> bool:
         return self.mailboxes.holds(src, prefix)
 

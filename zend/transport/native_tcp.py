@@ -152,6 +152,9 @@ class NativeTcpTransport(TcpTransport):
     def stalled_since(self, since: float) -> float | None:
         return self.engine.stalled_since(since)
 
+    def voided(self, prefix: str) -> bool:
+        return self.engine.voided(prefix) is not None
+
     def holds(self, src: int, prefix: str) -> bool:
         return bool(0 <= src < self.world_size and self.engine.holds(src, prefix))
 
