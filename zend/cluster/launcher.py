@@ -66,7 +66,8 @@ def torchrun_command(script: Sequence[str], node: int, nodes: int, trainers: int
                      master_addr: str = "127.0.0.1", rendezvous_id: str = "zen", max_restarts: int = 0) -> list[str]:
     """torchrun for node `node` of a static multi-node job (node ranks as given, so the trainers of
     node n are ranks n*K .. n*K+K-1, beside daemon n); on this host by default. Node -1: torchrun's
-    c10d rendezvous at master_addr:master_port assigns the node ranks. `max_restarts`: how often torchrun
+    c10d rendezvous at master_addr:master_port assigns the node ranks (not necessarily the daemon's rank: zen
+    needs no relation, a trainer finds its daemon by its socket folder). `max_restarts`: how often torchrun
     restarts the job's trainers after one fails (their loop resumes from the newest in-memory checkpoint)."""
     where = [f"--node-rank={node}", f"--master-addr={master_addr}", f"--master-port={master_port}"] if node >= 0 \
         else ["--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}", f"--rdzv-id={rendezvous_id}"]
