@@ -443,6 +443,7 @@ class Checkpointer:
         if asynchronous and process_group is None and dist.is_available() and dist.is_initialized():
             self.process_group = dist.new_group(backend="gloo")  # collective: every rank makes its Checkpointer
         self._pending: Any = None
+        self._stager: Any = None  # DCP's stager, kept: its CPU copy of the state is reused by every save
         self.last_saved: int | None = None
 
     @property
@@ -462,9 +463,15 @@ class Checkpointer:
 
         writer = MemoryWriter(step, self.client)
         if self.asynchronous:
-            self.wait()  # one save in flight at a time
+            self.wait()  # one save in flight at a time: the kept stager's copy is free again
+            if self._stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                # async_save's own stager is made per call, and its fresh copy of the whole state faults in
+                # new pages every time (10.8 of 12 ms of a 26 MB state here); a kept one copies in place
+                self._stager = DefaultStager(StagingOptions(False, False, False, False))
             self._pending = dcp.async_save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
-                                           process_group=self.process_group)
+                                           process_group=self.process_group, async_stager=self._stager)
         else:
             dcp.save(state, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.process_group)
         self.last_saved = step

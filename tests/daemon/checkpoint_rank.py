@@ -1,6 +1,7 @@
 """One trainer of the checkpoint tests (run by tests.helpers.launch_ranks, torchrun's variables set).
 
     checkpoint_rank.py save STEPS DTYPE   train STEPS steps, checkpoint every 10 through zen; print the state's digest
+    checkpoint_rank.py save-async ...     the same with DCP's async_save (Checkpointer(asynchronous=True))
     checkpoint_rank.py load DTYPE         a fresh model: load the newest complete step; print the step and the digest
 
 The state: a model and its Adam state (replicated: the same on every rank) and a DTensor sharded over the
@@ -67,8 +68,8 @@ def main() -> None:
     dtype = getattr(torch, sys.argv[-1])
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    ckpt = zen.checkpoint.Checkpointer(every=10)
-    if mode == "save":
+    ckpt = zen.checkpoint.Checkpointer(every=10, asynchronous=mode == "save-async")
+    if mode.startswith("save"):
         model, opt, sharded = build(0, dtype)
         sharded = sharded + dist.get_rank()  # each rank's shard differs
         for step in range(1, int(sys.argv[2]) + 1):

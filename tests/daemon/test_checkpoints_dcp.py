@@ -23,10 +23,11 @@ def outputs(texts: list[str]) -> list[dict]:
     return [json.loads(t.strip().splitlines()[-1]) for t in texts]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_restarted_trainer_loads_the_newest_complete_step_bit_exact(fresh_cluster, dtype):
+@pytest.mark.parametrize(("dtype", "save"), [("float32", "save"), ("bfloat16", "save"), ("float32", "save-async")])
+def test_a_restarted_trainer_loads_the_newest_complete_step_bit_exact(fresh_cluster, dtype, save):
+    """save-async: DCP's async_save through one kept stager, whose copy of step 10's state step 20 overwrites."""
     c = fresh_cluster(2, extra=EXTRA)
-    saved = outputs(launch_ranks(c, [SCRIPT, "save", "20", dtype], job="ck", per_node=2, timeout_s=240))
+    saved = outputs(launch_ranks(c, [SCRIPT, save, "20", dtype], job="ck", per_node=2, timeout_s=240))
     # step 20 is complete on both nodes, step 10 kept beside it
     for node in range(2):
         status = poll_for(lambda n=node: [x for x in node_status(c, n, operator=True).checkpoints
