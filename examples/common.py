@@ -159,6 +159,17 @@ def checkpointer(args: argparse.Namespace, client: Any) -> Any:
     return zen.checkpoint.Checkpointer(every=args.checkpoint_every, client=client, asynchronous=True)
 
 
+def save_checkpoint(ckpt: Any, state_of: Callable[[], dict[str, Any]], step: int) -> None:
+    """A checkpoint every --checkpoint-every steps. One that failed (a daemon restarted while the save before was
+    handed over: every rank is told alike) costs only itself: the loop goes on, the next save tries again."""
+    import zen.checkpoint
+
+    try:
+        ckpt.maybe_save(state_of(), step)
+    except zen.checkpoint.CheckpointError as exc:
+        print(f"checkpoint not taken, training goes on: {exc}", file=sys.stderr, flush=True)
+
+
 def resume(ckpt: Any, state_of: Callable[[], dict[str, Any]] | None, load: Callable[[dict[str, Any]], None]) -> int:
     """The step to start at: after the newest checkpoint complete on every rank (loaded into the model and
     optimiser), else 0."""
@@ -196,7 +207,7 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
         # this rank cannot resume alone, its replica would differ from the others'; the job restarts together
         loss = step_surviving_faults(lambda b=batch: loss_of(b), client, hook)
         if ckpt is not None and state_of is not None:
-            ckpt.maybe_save(state_of(), step)
+            save_checkpoint(ckpt, state_of, step)
         seconds = time.perf_counter() - t0
         # the trainer's CPU (every thread) beside the wall time; `end` places the step on the wall clock
         row: dict[str, Any] = {"step": step, "loss": loss.item(), "seconds": seconds,

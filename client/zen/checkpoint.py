@@ -141,6 +141,22 @@ def _rank_and_world(kwargs: dict[str, Any]) -> tuple[int, int]:
     return 0, 1
 
 
+@contextlib.contextmanager
+def _dcp_failures(what: str) -> Iterator[None]:
+    """DCP's CheckpointException (a BaseException: `except Exception` in a training loop would not see it) as a
+    CheckpointError naming each failed rank and what it raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = sorted(exc.failures)
+        why = "; ".join(f"rank {r}: {type(exc.failures[r][0]).__name__}: {str(exc.failures[r][0])[:300]}"
+                        for r in ranks[:4])
+        raise CheckpointError(f"{what} failed on rank{'s' if len(ranks) > 1 else ''} "
+                              f"{', '.join(map(str, ranks))}: {why}") from exc
+
+
 def _done(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
@@ -443,6 +459,7 @@ class Checkpointer:
         if asynchronous and process_group is None and dist.is_available() and dist.is_initialized():
             self.process_group = dist.new_group(backend="gloo")  # collective: every rank makes its Checkpointer
         self._pending: Any = None
+        self._pending_step = -1
         self._stager: Any = None  # DCP's stager, kept: its CPU copy of the state is reused by every save
         self.last_saved: int | None = None
 
@@ -471,17 +488,24 @@ class Checkpointer:
                 # new pages every time (10.8 of 12 ms of a 26 MB state here); a kept one copies in place
                 self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                             use_async_staging=False, use_non_blocking_copy=False))
-            self._pending = dcp.async_save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
-                                           process_group=self.process_group, async_stager=self._stager)
+            with _dcp_failures(f"checkpoint step {step}: saving"):
+                self._pending = dcp.async_save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
+                                               process_group=self.process_group, async_stager=self._stager)
+            self._pending_step = step
         else:
-            dcp.save(state, storage_writer=writer, planner=NodeLocalSavePlanner(), process_group=self.process_group)
+            with _dcp_failures(f"checkpoint step {step}: saving"):
+                dcp.save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
+                         process_group=self.process_group)
         self.last_saved = step
 
     def wait(self) -> None:
-        """Until the asynchronous save in flight (if any) has handed its bytes to the daemon."""
+        """Until the asynchronous save in flight (if any) has handed its bytes to the daemon; CheckpointError if
+        it failed (on every trainer alike: DCP shares a rank's failure with the others)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            getattr(pending, "upload_completion", pending).result()  # a Future, or DCP's AsyncSaveResponse
+            with _dcp_failures(f"checkpoint step {self._pending_step}: saving"):
+                getattr(pending, "upload_completion", pending).result()  # a Future, or DCP's AsyncSaveResponse
+
 
     def complete_steps(self) -> list[int]:
         """Steps complete on this trainer's node, newest first."""
@@ -496,12 +520,19 @@ class Checkpointer:
     def agreed_step(self) -> int | None:
         """The newest step complete on every trainer's node (the same answer on every trainer); None when
         there is none, CheckpointError when there is none because a step was lost with its nodes."""
-        mine = self._held()
+        mine: Any
+        try:
+            mine = self._held()
+        except ZenError as exc:  # said to every trainer: one that raised alone would leave the rest in the gather
+            mine = f"{type(exc).__name__}: {exc}"
         if dist.is_available() and dist.is_initialized():
             everyone: list[Any] = [None] * dist.get_world_size(self.process_group)
             dist.all_gather_object(everyone, mine, group=self.process_group)
         else:
             everyone = [mine]
+        failed = [f"rank {rank}: {e}" for rank, e in enumerate(everyone) if isinstance(e, str)]
+        if failed:
+            raise CheckpointError("could not list the checkpoints held: " + "; ".join(failed))
         common = set(everyone[0][0]).intersection(*(set(e[0]) for e in everyone[1:]))
         if common:
             return max(common)
@@ -518,5 +549,6 @@ class Checkpointer:
         step = self.agreed_step()
         if step is None:
             return None
-        dcp.load(state, storage_reader=MemoryReader(step, self.client), process_group=self.process_group)
+        with _dcp_failures(f"checkpoint step {step}: loading"):
+            dcp.load(state, storage_reader=MemoryReader(step, self.client), process_group=self.process_group)
         return step
