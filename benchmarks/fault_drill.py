@@ -32,6 +32,14 @@ recover: from the heal to every trainer's next delivered step) and exits 1 if an
     python benchmarks/fault_drill.py --nodes 3 --duration-s 120 --fault-every-s 6-10 \\
         --faults daemon_restart,freeze,trainer_restart,partition --seed 7 [--json] [--loopback]
 
+With --checkpoint-every K the trainers are stateful, as GEMINI's are: each keeps a model (every result summed)
+and checkpoints it in the daemons' memory every K steps (zen.checkpoint.Checkpointer, DCP's async_save on a
+gloo group per life of the job). A trainer's death, or a trainer told OutOfOrder (it lost a result the others
+have), then restarts the whole job as torchrun does, and every trainer loads the newest checkpoint complete on
+every node. Checked besides: the restored model is bit for bit the one the trainers had after that step, every
+trainer of a life restored the same step, the models never differ, and no restart lost more than the
+iterations since the newest checkpoint every node had reported complete before the job was killed.
+
 A failing run prints its replay command; `--only 12-13` replays a part of the seed's schedule (its spacing
 kept, the first fault 6 s in), `--stall-s 30` gives up on a deadlock sooner, `--keep` keeps the logs
 (trainer-N.L.jsonl: every event of trainer L of node N; nodeN.log, store.log; deadlock-K.json: each
@@ -120,6 +128,10 @@ def trainer_main(argv: list[str]) -> int:
         p.add_argument(name, type=int, required=True)
     p.add_argument("--pause-s", type=float, default=0.0)
     p.add_argument("--loop", choices=["readme", "helper"], default="readme")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--gloo-store", default="", help="host:port of the drill's TCPStore (with --checkpoint-every)")
+    p.add_argument("--life", type=int, default=0, help="which life of the job (with --checkpoint-every)")
+    p.add_argument("--world", type=int, default=0, help="trainers in the job (with --checkpoint-every)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the drill asks where we are at a deadlock
@@ -136,8 +148,12 @@ def trainer_main(argv: list[str]) -> int:
             break
         except zen.DaemonUnavailable as exc:
             note("waiting", where="connect", msg=str(exc)[:400])
+    ckpt: Any = None
+    param = torch.zeros(0)
+    if a.checkpoint_every:
+        ckpt, param = _restore(a, rank, client, note)
     step = client.job_step  # where the job is: a restarted trainer resumes there
-    note("start", step=step, gen=client.generation)
+    note("start", step=step, gen=client.generation, life=a.life)
     while True:
         target = _stop_step(a.stop)
         if target is not None and step >= target:
@@ -162,6 +178,8 @@ def trainer_main(argv: list[str]) -> int:
                     client.wait_ready(60)
                     break
                 except zen.OutOfOrder as behind:  # the job went on without this trainer: resume where it is
+                    if ckpt is not None:
+                        return _left_behind(note, step, behind)
                     note("resume", step=step, to=client.job_step, msg=str(behind)[:400])
                     step = client.job_step
                     break
@@ -172,6 +190,8 @@ def trainer_main(argv: list[str]) -> int:
             if a.loop != "helper":
                 note("crash", step=step, kind=type(behind).__name__, msg=str(behind)[:400])
                 return 3
+            if ckpt is not None:
+                return _left_behind(note, step, behind)
             note("resume", step=step, to=client.job_step, msg=str(behind)[:400])
             step = client.job_step
             continue
@@ -179,12 +199,85 @@ def trainer_main(argv: list[str]) -> int:
             note("crash", step=step, kind=type(exc).__name__, msg=str(exc)[:400])
             return 3
         dense = dense_of(out_rows, out_values)
-        note("ok", step=step, hash=digest(dense), total=int(dense.sum()), gen=client.generation)
+        if ckpt is None:
+            note("ok", step=step, hash=digest(dense), total=int(dense.sum()), gen=client.generation)
+        else:
+            param += dense  # the model: every result summed (small integers: exact, whatever the order)
+            note("ok", step=step, hash=digest(dense), total=int(dense.sum()), gen=client.generation,
+                 param=digest(param))
+            _checkpoint(ckpt, param, step, note)
         step += 1
         if a.pause_s:
             time.sleep(a.pause_s)
+    if ckpt is not None:
+        with contextlib.suppress(Exception):  # a save that failed at the end costs nothing: the job is over
+            ckpt.wait()
     client.close()
     return 0
+
+
+LEFT_BEHIND = 4  # a trainer's exit status: it lost a result the others have; its job must restart
+
+
+def _left_behind(note: Callable[..., None], step: int, behind: Exception) -> int:
+    """(--checkpoint-every) OutOfOrder: the job delivered a step this trainer lost. With a model, it cannot
+    skip ahead (its model would lack that result, unlike the others'): it exits, and the job restarts from
+    its newest complete checkpoint, as examples/common.py's loop does under torchrun."""
+    note("behind", step=step, msg=str(behind)[:400])
+    return LEFT_BEHIND
+
+
+def _restore(a: argparse.Namespace, rank: int, client: Any, note: Callable[..., None]) -> tuple[Any, torch.Tensor]:
+    """(--checkpoint-every) This life's gloo group, its Checkpointer, and the model: the newest checkpoint complete
+    for the whole job (zeros when there is none). Every trainer of the life gets the same outcome of each attempt
+    (DCP's collectives and Checkpointer.agreed_step share failures), so they retry together."""
+    import datetime
+
+    import torch.distributed as dist
+    import zen
+    import zen.checkpoint
+
+    host, _, port = a.gloo_store.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"life-{a.life}", store), rank=rank,
+                            world_size=a.world,
+                            timeout=datetime.timedelta(seconds=300))
+    ckpt = zen.checkpoint.Checkpointer(every=a.checkpoint_every, client=client, asynchronous=True)
+    param = torch.zeros(NUM_ROWS, DIM, dtype=torch.float32)
+    why = ""
+    for attempt in range(5):
+        try:
+            started = time.monotonic()
+            loaded = ckpt.load_latest({"param": param})
+            note("restore", step=loaded, param=digest(param), life=a.life, seconds=round(time.monotonic() - started, 3),
+                 attempts=attempt + 1)
+            return ckpt, param
+        except Exception as exc:  # DCP wraps what the daemon said in its CheckpointException
+            why = f"{type(exc).__name__}: {str(exc)[:400]}"
+            note("restore-error", life=a.life, attempt=attempt + 1, msg=why)
+            with contextlib.suppress(zen.ZenError):
+                client.wait_ready(60)
+            dist.barrier()
+    param.zero_()
+    note("restore", step=None, param=digest(param), life=a.life, msg=why, attempts=5)
+    return ckpt, param
+
+
+def _checkpoint(ckpt: Any, param: torch.Tensor, step: int, note: Callable[..., None]) -> None:
+    """(--checkpoint-every) Before each save, what the node holds complete (what the drill checks a restore
+    against); then the save, asynchronous. A save that fails is noted, and training goes on."""
+    import zen
+
+    if step % ckpt.every:
+        return
+    try:
+        note("held", step=step, complete=ckpt.complete_steps()[:3])
+    except zen.ZenError as exc:
+        note("held", step=step, complete=None, msg=str(exc)[:200])
+    try:
+        ckpt.maybe_save({"param": param}, step)  # waits for the save before (its failure is raised here)
+    except Exception as exc:  # DCP's CheckpointException, or the daemon's error
+        note("save-error", step=step, msg=f"{type(exc).__name__}: {str(exc)[:400]}")
 
 
 def _stop_step(path: str) -> int | None:
@@ -364,6 +457,11 @@ class Drill:
         self.pool_left: dict[int, int] = {}  # node -> buffer_pool_bytes in its status once every trainer left
         self.c: DrillCluster | None = None
         self.emulated: Any = None
+        # --checkpoint-every: the trainers form a gloo group (DCP's collectives) per life of the job, through a
+        # store the drill hosts; any trainer's death ends the life (torchrun's restart: every trainer anew)
+        self.gloo_store: Any = None
+        self.life = 0
+        self.job_restarts: list[dict[str, Any]] = []
         self.env = {**os.environ, MARKER: self.run_id,
                     "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])}
 
@@ -374,6 +472,9 @@ class Drill:
                 "--log", str(self.logs[(node, local)].path), "--stop", str(self.stop_file), "--node", str(node),
                 "--local", str(local), "--locals", str(self.locals), "--seed", str(self.args.seed),
                 "--pause-s", str(self.args.pause_s), "--loop", self.args.trainer_loop]
+        if self.args.checkpoint_every:
+            argv += ["--checkpoint-every", str(self.args.checkpoint_every), "--gloo-store",
+                     f"127.0.0.1:{self.gloo_store.port}", "--life", str(self.life), "--world", str(self.world)]
         err = open(self.workdir / f"trainer-{node}.{local}.err", "ab")  # noqa: SIM115 (the child owns it)
         self.trainers[(node, local)] = subprocess.Popen(
             argv, stdout=err, stderr=subprocess.STDOUT, start_new_session=True,
@@ -385,6 +486,27 @@ class Drill:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+    def end_life(self, why: str, first: tuple[int, int] | None = None) -> None:
+        """(--checkpoint-every) Every trainer killed -9, `first` first, as torchrun's agent stops the rest of a
+        job when one worker fails; what the job had delivered and held complete is recorded for the checks."""
+        if first is not None:
+            self.kill_trainer(*first)
+        for key in self.trainers:
+            self.kill_trainer(*key)
+        for log in self.logs.values():
+            log.read()
+        held = {n: max((max(e["complete"], default=-1) for lr in range(self.locals)
+                        for e in self.logs[(n, lr)].events if e["ev"] == "held" and e["complete"] is not None),
+                       default=-1) for n in range(self.n)}
+        delivered = max((e["step"] for log in self.logs.values() for e in log.oks()), default=-1)
+        self.job_restarts.append({"life": self.life, "why": why, "delivered": delivered,
+                                  "complete": min(held.values()), "at_s": round(time.monotonic() - self.t0, 1)})
+
+    def new_life(self) -> None:
+        self.life += 1
+        for key in self.logs:
+            self.start_trainer(*key)
 
     def _processes(self) -> list[int]:
         assert self.c is not None
@@ -407,13 +529,14 @@ class Drill:
                             self.memfds_seen.add((st.st_dev, st.st_ino))
 
     def memfds_of(self, pid: int) -> list[str]:
-        """The zend buffers (memfds) process `pid` holds, by name (zend-buffer-<id>, as the daemon logs them)."""
+        """The zend buffers (memfds) process `pid` holds, by name (zend-buffer-<id>, as the daemon logs them); not
+        its checkpoint memory (zend-checkpoint-<id>), which it keeps for the job once its trainers have left."""
         names = []
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith("/memfd:zend"):
+                    if target.startswith("/memfd:zend-buffer-"):
                         names.append(target.removeprefix("/memfd:").removesuffix(" (deleted)"))
         return sorted(names)
 
@@ -433,6 +556,9 @@ class Drill:
         elif f.kind == "freeze":
             self.frozen.add(f.node)
             self.c.send_signal(f.node, signal.SIGSTOP)
+        elif f.kind == "trainer_restart" and self.args.checkpoint_every:
+            self.down.update(("trainer", *key) for key in self.logs)
+            self.end_life(f"fault #{f.index}", first=(f.node, f.local))
         elif f.kind == "trainer_restart":
             self.down.add(("trainer", f.node, f.local))
             self.kill_trainer(f.node, f.local)
@@ -455,6 +581,9 @@ class Drill:
         elif f.kind == "freeze":
             self.c.send_signal(f.node, signal.SIGCONT)
             self.frozen.discard(f.node)
+        elif f.kind == "trainer_restart" and self.args.checkpoint_every:
+            self.new_life()
+            self.down.difference_update(("trainer", *key) for key in self.logs)
         elif f.kind == "trainer_restart":
             self.start_trainer(f.node, f.local)
             self.down.discard(("trainer", f.node, f.local))
@@ -495,10 +624,17 @@ class Drill:
             if proc.returncode == 0 and phase == "final":
                 self.finished.add(key)
                 continue
-            if proc.returncode != 3:  # 3: it said why in its log (a crash event)
+            left_behind = self.args.checkpoint_every and proc.returncode == LEFT_BEHIND  # not a crash: a restart
+            if proc.returncode != 3 and not left_behind:  # 3: it said why in its log (a crash event)
                 tail = (self.workdir / f"trainer-{key[0]}.{key[1]}.err").read_text(errors="replace")[-1500:]
                 self.crashes.append(f"trainer {key[0]}.{key[1]} (pid {proc.pid}) exited with {proc.returncode}:\n"
                                     f"{tail}")
+            if self.args.checkpoint_every:  # its life's group is broken: the job restarts, as under torchrun
+                what = "lost a result (OutOfOrder)" if left_behind else f"exited on its own ({proc.returncode})"
+                self.say(f"  {'' if left_behind else '! '}trainer {key[0]}.{key[1]} {what}: the job restarts")
+                self.end_life(f"trainer {key[0]}.{key[1]} {what}")
+                self.new_life()
+                return
             self.say(f"  ! trainer {key[0]}.{key[1]} exited on its own ({proc.returncode}): started again")
             self.start_trainer(*key)
         now = time.monotonic()
@@ -592,6 +728,11 @@ class Drill:
         self.c = DrillCluster(self.n, self.workdir, self.emulated, extra=extra, env={MARKER: self.run_id},
                               metrics=False, ready_timeout_s=120)
         self.c.__enter__()
+        if a.checkpoint_every:
+            import datetime
+
+            self.gloo_store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                                         timeout=datetime.timedelta(seconds=120))
         self.say(f"cluster up in {time.monotonic() - self.t0:.1f} s: {self.n} daemons ("
                  f"{'loopback' if a.loopback else 'network namespaces ' + self.emulated.prefix + '-*'}), store "
                  f"{self.c.store}; starting {self.world} trainers")
@@ -758,6 +899,52 @@ def check_results(logs: dict[tuple[int, int], TrainerLog], seed: int, world: int
     }
 
 
+def check_checkpoints(logs: dict[tuple[int, int], TrainerLog], job_restarts: list[dict[str, Any]]) -> dict[str, Any]:
+    """(--checkpoint-every) Each life of the job restored exactly the model its checkpoint step had (the digest the
+    trainers logged after that step), the same step on every trainer, and no older than the newest step every
+    node had reported complete before the job was killed: the work lost per restart is at most the iterations
+    since the last complete checkpoint."""
+    params: dict[int, set[str]] = {}
+    for log in logs.values():
+        for e in log.oks():
+            if "param" in e:
+                params.setdefault(e["step"], set()).add(e["param"])
+    problems = [f"step {step}: the trainers' models differ ({len(p)} digests)" for step, p in params.items()
+                if len(p) > 1]
+    restored: dict[int, set[Any]] = {}
+    seconds = []
+    for (n, lr), log in logs.items():
+        for e in log.events:
+            if e["ev"] != "restore":
+                continue
+            restored.setdefault(e["life"], set()).add(e["step"])
+            if "seconds" in e:
+                seconds.append(e["seconds"])
+            k = e["step"]
+            if k is None:
+                if e["param"] != digest(torch.zeros(NUM_ROWS, DIM)):
+                    problems.append(f"trainer {n}.{lr} life {e['life']}: nothing restored, yet its model is not zero")
+            elif e["param"] not in params.get(k, set()):
+                problems.append(f"trainer {n}.{lr} life {e['life']}: restored step {k} as {e['param']}, but after "
+                                f"step {k} the model was {sorted(params.get(k, {'never delivered'}))}")
+    for life, steps in restored.items():
+        if len(steps) > 1:
+            problems.append(f"life {life}: the trainers restored different steps {sorted(steps, key=str)}")
+    lost = []
+    for r in job_restarts:
+        steps = restored.get(r["life"] + 1, set())
+        k = -1 if None in steps or not steps else max(steps)
+        r["restored"], r["lost"] = (None if k < 0 else k), r["delivered"] - k
+        r["since_complete"] = r["delivered"] - r["complete"]
+        lost.append(r["lost"])
+        if steps and k < r["complete"]:
+            problems.append(f"life {r['life'] + 1} restored step {None if k < 0 else k}, but step {r['complete']} was "
+                            f"complete on every node before life {r['life']} ended ({r['why']}): {r['lost']} "
+                            f"iterations lost, {r['since_complete']} since the last complete checkpoint")
+    return {"ok": not problems, "count": len(problems), "details": problems[:20], "restarts": job_restarts,
+            "lost": lost, "restore_s": seconds}
+
+
 def measure_recovery(faults: list[Fault], logs: dict[tuple[int, int], TrainerLog], end: float) -> None:
     """Per fault, detect: from the fault to the last trainer's first error (None: nobody saw one, the
     fault was absorbed); recover: from the heal until every trainer has delivered a step again."""
@@ -768,7 +955,7 @@ def measure_recovery(faults: list[Fault], logs: dict[tuple[int, int], TrainerLog
         firsts, f.errors = [], 0
         for log in logs.values():
             seen = [e["t"] for e in log.events
-                    if e["ev"] in ("error", "resume", "crash") and f.injected <= e["t"] < nxt]
+                    if e["ev"] in ("error", "resume", "crash", "behind") and f.injected <= e["t"] < nxt]
             f.errors += len(seen)
             if seen:
                 firsts.append(seen[0])
@@ -869,6 +1056,13 @@ def print_report(r: dict[str, Any]) -> None:
         if not c["ok"]:
             for line in c.get("details", [])[:8]:
                 print(f"       {line}")
+    ckpt = r["checks"].get("checkpoints")
+    if ckpt is not None:
+        lost, secs = ckpt["lost"], ckpt["restore_s"]
+        print(f"in-memory checkpoints every {r['checkpoint_every']} steps: {len(ckpt['restarts'])} job restarts; "
+              f"iterations lost per restart {lost or '-'} (since the last complete checkpoint: "
+              f"{[x['since_complete'] for x in ckpt['restarts']] or '-'}); restore "
+              + (f"{min(secs):.2f}-{max(secs):.2f} s" if secs else "-"))
     checked = r["checks"]["checked"]
     print(f"checked {checked['trainer_steps']} delivered results of {checked['steps']} steps; "
           f"{'PASS' if r['ok'] else 'FAIL'} (seed {r['seed']}; logs: {r['workdir'] or 'removed'})")
@@ -889,7 +1083,8 @@ def replay_command(args: argparse.Namespace) -> str:
             + (" --loopback" if args.loopback else "") + (f" --only {args.only_text}" if args.only_text else "")
             + (f" --trainer-loop {args.trainer_loop}" if args.trainer_loop != "readme" else "")
             + "".join(f" --daemon-arg={d}" for d in args.daemon_arg)
-            + (f" --peer-timeout-s {args.peer_timeout_s:g}" if args.peer_timeout_s != 5.0 else ""))
+            + (f" --peer-timeout-s {args.peer_timeout_s:g}" if args.peer_timeout_s != 5.0 else "")
+            + (f" --checkpoint-every {args.checkpoint_every}" if args.checkpoint_every else ""))
 
 
 def _indices(part: str) -> range:
@@ -916,6 +1111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainer-loop", choices=["readme", "helper"], default="readme",
                    help="readme: the README's loop (StepAborted/DaemonUnavailable: wait_ready, redo, as often as "
                         "it takes); helper: zen.step_surviving_faults (5 redos, then the error is a crash)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="the trainers keep a model (every result summed), checkpoint it in memory every K steps "
+                        "(zen.checkpoint, DCP's async_save on a gloo group per life of the job), and a trainer's "
+                        "death restarts the whole job, which resumes from the newest complete checkpoint, as "
+                        "under torchrun; checked: the restored model bit for bit, and the work lost")
     p.add_argument("--daemon-arg", action="append", default=[], help="one more flag for every zend serve")
     p.add_argument("--keep", action="store_true", help="keep the logs also when every check passes")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout (progress on stderr)")
@@ -936,6 +1136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"network namespaces: {reason}; --loopback runs without them (and without partitions)")
     if not kinds:
         p.error("no fault kind left to inject")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every {args.checkpoint_every}: must be 0 (none) or more")
     if args.nodes < 2 or args.trainers < 1:
         p.error("--nodes must be at least 2 and --trainers at least 1")
     args.kinds = kinds
@@ -1023,6 +1225,8 @@ def main(argv: list[str] | None = None) -> int:
                             outcome.get("memfds_left", {}), drill.pool_left)
     checks["leaks"]["details"] = [*checks["leaks"]["processes"], *checks["leaks"]["namespaces"],
                                   *checks["leaks"]["dev_shm"], *checks["leaks"]["memfds"], *checks["leaks"]["sessions"]]
+    if args.checkpoint_every:
+        checks["checkpoints"] = check_checkpoints(drill.logs, drill.job_restarts)
     if error:
         checks["drill"] = {"ok": False, "count": 1, "details": [error]}
     measure_recovery(drill.faults, drill.logs, end)
@@ -1032,6 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"ok": ok, "seed": args.seed, "replay": replay_command(args), "nodes": args.nodes,
               "trainers": args.trainers, "loopback": args.loopback,
               "kinds": args.kinds, "notes": args.notes, "duration_s": args.duration_s,
+              "checkpoint_every": args.checkpoint_every,
               "fault_every_s": list(args.fault_every_s), "wall_s": round(time.monotonic() - started, 1),
               "fault_phase_s": outcome.get("fault_phase_s", 0.0),
               "steps_in_fault_phase": outcome.get("steps_in_fault_phase", 0), "target_step": outcome.get("target"),

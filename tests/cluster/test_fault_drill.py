@@ -1,6 +1,7 @@
 """The fault drill (benchmarks/fault_drill.py): its schedule and its checker in-process, and a two-minute
 drill of 3 nodes x 2 trainers under daemon restarts, freezes, trainer restarts and partitions, in network
-namespaces (`slow`: 2.5 minutes of wall time when it passes, up to 4 when it finds a deadlock).
+namespaces (`slow`: 2.5 minutes of wall time when it passes, up to 4 when it finds a deadlock), and a
+45-second drill on loopback whose trainer kills restart the job from its in-memory checkpoint.
 
 The drill's seed: $ZEN_FAULT_DRILL_SEED, else a fixed one under CI ($CI set), else a new one each run;
 a failure names it, and `python benchmarks/fault_drill.py --nodes 3 --duration-s 120 --seed S` replays
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from tests.subprocess_env import with_project
 
@@ -106,6 +108,38 @@ def test_recovery_is_measured_from_the_heal_to_every_trainers_next_step() -> Non
     assert f.detect_s == pytest.approx(5.5) and f.recover_s == pytest.approx(5.5) and not f.overlapped
 
 
+@pytest.mark.inprocess
+def test_the_checkpoint_checker_finds_a_wrong_model_a_split_restore_and_work_lost_beyond_the_last_checkpoint() -> None:
+    fd = _drill()
+    logs = {(n, 0): fd.TrainerLog(Path(f"/nonexistent/{n}")) for n in range(2)}
+    model = {step: f"m{step}" for step in range(10)}  # the model's digest after each step
+
+    def life(node: int, life: int, restored: int | None, steps: range, param: str | None = None) -> None:
+        zero = fd.digest(torch.zeros(fd.NUM_ROWS, fd.DIM))
+        logs[(node, 0)].events.append({"t": 0.0, "ev": "restore", "step": restored, "life": life, "seconds": 0.1,
+                                       "param": param or (zero if restored is None else model[restored])})
+        logs[(node, 0)].events += [{"t": 1.0, "ev": "ok", "step": s, "param": model[s]} for s in steps]
+
+    for node in range(2):
+        life(node, 0, None, range(0, 6))
+        life(node, 1, 4, range(6, 10))
+    restart = {"life": 0, "why": "fault #0", "delivered": 5, "complete": 4}
+    clean = fd.check_checkpoints(logs, [dict(restart)])
+    assert clean["ok"], clean["details"]
+    assert clean["lost"] == [1] and clean["restarts"][0]["since_complete"] == 1
+
+    older = fd.check_checkpoints(logs, [{**restart, "complete": 5}])  # step 5 was complete: 4 is one too old
+    assert not older["ok"] and "restored step 4, but step 5 was complete on every node" in older["details"][0]
+
+    logs[(1, 0)].events[-5]["param"] = "not-m4"  # node 1's second life restored other bytes than step 4's
+    wrong = fd.check_checkpoints(logs, [dict(restart)])
+    assert not wrong["ok"] and "trainer 1.0 life 1: restored step 4 as not-m4" in wrong["details"][0]
+
+    logs[(1, 0)].events[-5].update(step=2, param=model[2])  # ... or another step than node 0's
+    split = fd.check_checkpoints(logs, [dict(restart)])
+    assert any("life 1: the trainers restored different steps [2, 4]" in d for d in split["details"]), split
+
+
 def _seed() -> int:
     if os.environ.get("ZEN_FAULT_DRILL_SEED"):
         return int(os.environ["ZEN_FAULT_DRILL_SEED"])
@@ -121,14 +155,33 @@ def test_a_two_minute_drill_delivers_every_sum_right_and_leaves_nothing_behind()
     reason = available()
     if reason:
         pytest.skip(f"the drill's partitions need network namespaces: {reason}")
+    report = _run_drill(["--nodes", "3", "--trainers", "2", "--duration-s", "120", "--fault-every-s", "6-10",
+                         "--faults", "daemon_restart,freeze,trainer_restart,partition"], timeout_s=480)
+    assert report["fault_phase_s"] >= 115 and sum(k["count"] for k in report["recovery"].values()) >= 10
+
+
+@pytest.mark.daemon
+@pytest.mark.timeout(300)
+def test_a_job_killed_with_a_trainer_resumes_from_its_in_memory_checkpoint_under_daemon_faults() -> None:
+    """GEMINI's loop in the drill: each trainer kill restarts the whole job (torchrun's way), which loads the
+    newest checkpoint complete on every node; daemons are killed and frozen between. The drill checks the
+    restored model bit for bit and that no restart lost more than the iterations since that checkpoint."""
+    report = _run_drill(["--nodes", "2", "--trainers", "2", "--duration-s", "45", "--fault-every-s", "5-7",
+                         "--faults", "trainer_restart,daemon_restart,freeze", "--loopback", "--checkpoint-every", "3"],
+                        timeout_s=240)
+    restarts = report["checks"]["checkpoints"]["restarts"]
+    assert len(restarts) >= 2, restarts
+    assert all(r["restored"] is not None and 0 <= r["lost"] <= r["since_complete"] for r in restarts), restarts
+
+
+def _run_drill(args: list[str], timeout_s: float) -> dict:
+    """The drill as a user runs it (a process of its own, --json), every check of its report passed."""
     seed = _seed()
-    argv = [sys.executable, str(DRILL), "--nodes", "3", "--trainers", "2", "--duration-s", "120",
-            "--fault-every-s", "6-10", "--faults", "daemon_restart,freeze,trainer_restart,partition",
-            "--seed", str(seed), "--json"]
+    argv = [sys.executable, str(DRILL), *args, "--seed", str(seed), "--json"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=with_project(),
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=480)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # the drill cleans up (namespaces, daemons, trainers) on SIGTERM
         try:
@@ -136,7 +189,7 @@ def test_a_two_minute_drill_delivers_every_sum_right_and_leaves_nothing_behind()
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        pytest.fail(f"the drill (seed {seed}) did not end within 480 s:\n{err[-6000:]}")
+        pytest.fail(f"the drill (seed {seed}) did not end within {timeout_s:g} s:\n{err[-6000:]}")
     print(err)  # the schedule and what happened (pytest -s shows it)
     try:
         report = json.loads(out)
@@ -148,4 +201,4 @@ def test_a_two_minute_drill_delivers_every_sum_right_and_leaves_nothing_behind()
     assert not failed and proc.returncode == 0, (
         f"the fault drill failed with seed {seed} (replay: {report['replay']}); logs in {report['workdir']}\n"
         + "\n".join(lines))
-    assert report["fault_phase_s"] >= 115 and sum(k["count"] for k in report["recovery"].values()) >= 10
+    return report

@@ -76,13 +76,14 @@ class SharedBuffer:
     def create_sealable(cls, nbytes: int, buffer_id: str) -> Self:
         """As `create`, its seals left open for `seal_writes` (a checkpoint segment: filled by the daemon, then
         lent read-only)."""
-        return cls._create(nbytes, buffer_id, _SEALS & ~fcntl.F_SEAL_SEAL)
+        return cls._create(nbytes, buffer_id, _SEALS & ~fcntl.F_SEAL_SEAL, "zend-checkpoint")
 
     @classmethod
-    def _create(cls, nbytes: int, buffer_id: str, seals: int) -> Self:
+    def _create(cls, nbytes: int, buffer_id: str, seals: int, kind: str = "zend-buffer") -> Self:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise SharedBufferError(f"buffer {buffer_id!r}: nbytes must be an integer >= 1, got {nbytes!r}")
-        fd = os.memfd_create(f"zend-buffer-{buffer_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # the name is what /proc/<pid>/fd shows: a trainer's buffer and checkpoint memory told apart
+        fd = os.memfd_create(f"{kind}-{buffer_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             # memfds are born 0777: anyone who could reach the descriptor by /proc/<pid>/fd/N could open
             # it. The trainer gets it over the socket and maps it from there, so the inode owes nobody else.
