@@ -36,9 +36,11 @@ With --checkpoint-every K the trainers are stateful, as GEMINI's are: each keeps
 and checkpoints it in the daemons' memory every K steps (zen.checkpoint.Checkpointer, DCP's async_save on a
 gloo group per life of the job). A trainer's death, or a trainer told OutOfOrder (it lost a result the others
 have), then restarts the whole job as torchrun does, and every trainer loads the newest checkpoint complete on
-every node. Checked besides: the restored model is bit for bit the one the trainers had after that step, every
-trainer of a life restored the same step, the models never differ, and no restart lost more than the
-iterations since the newest checkpoint every node had reported complete before the job was killed.
+every node and goes on at the daemons' next step (the drill's gradients are keyed by step: the steps after the
+checkpoint are lost, not redone, which the checks count). Checked besides: the restored model is bit for bit
+the one the trainers had after that step, every trainer of a life restored the same step, the models never
+differ, and no restart lost more than the iterations since the newest checkpoint every node had reported
+complete before the job was killed.
 
 A failing run prints its replay command; `--only 12-13` replays a part of the seed's schedule (its spacing
 kept, the first fault 6 s in), `--stall-s 30` gives up on a deadlock sooner, `--keep` keeps the logs
@@ -255,6 +257,7 @@ def _restore(a: argparse.Namespace, rank: int, client: Any, note: Callable[..., 
         except Exception as exc:  # DCP wraps what the daemon said in its CheckpointException
             why = f"{type(exc).__name__}: {str(exc)[:400]}"
             note("restore-error", life=a.life, attempt=attempt + 1, msg=why)
+            param.zero_()  # a load that failed part-way may have written some of it
             with contextlib.suppress(zen.ZenError):
                 client.wait_ready(60)
             dist.barrier()
@@ -462,6 +465,7 @@ class Drill:
         self.gloo_store: Any = None
         self.life = 0
         self.job_restarts: list[dict[str, Any]] = []
+        self.memory_lost_at = 0.0  # when every daemon last died at once (cluster_restart): checkpoints lost
         self.env = {**os.environ, MARKER: self.run_id,
                     "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")])}
 
@@ -494,17 +498,18 @@ class Drill:
             self.kill_trainer(*first)
         for key in self.trainers:
             self.kill_trainer(*key)
-        for log in self.logs.values():
-            log.read()
+        self.read_logs()
+        # what every node had reported complete (not counting reports from before every daemon died at once)
         held = {n: max((max(e["complete"], default=-1) for lr in range(self.locals)
-                        for e in self.logs[(n, lr)].events if e["ev"] == "held" and e["complete"] is not None),
-                       default=-1) for n in range(self.n)}
+                        for e in self.logs[(n, lr)].events if e["ev"] == "held" and e["complete"] is not None
+                        and e["t"] > self.memory_lost_at), default=-1) for n in range(self.n)}
         delivered = max((e["step"] for log in self.logs.values() for e in log.oks()), default=-1)
         self.job_restarts.append({"life": self.life, "why": why, "delivered": delivered,
                                   "complete": min(held.values()), "at_s": round(time.monotonic() - self.t0, 1)})
 
     def new_life(self) -> None:
         self.life += 1
+        self.finished.clear()  # a trainer that had finished starts again with the others
         for key in self.logs:
             self.start_trainer(*key)
 
@@ -529,7 +534,7 @@ class Drill:
                             self.memfds_seen.add((st.st_dev, st.st_ino))
 
     def memfds_of(self, pid: int) -> list[str]:
-        """The zend buffers (memfds) process `pid` holds, by name (zend-buffer-<id>, as the daemon logs them); not
+        """The zend buffers (memfds) process `pid` holds, by name (zend-buffer-<id>); not
         its checkpoint memory (zend-checkpoint-<id>), which it keeps for the job once its trainers have left."""
         names = []
         with contextlib.suppress(OSError):
@@ -548,6 +553,7 @@ class Drill:
             self.down.add(("daemon", f.node))
             self.c.kill(f.node)
         elif f.kind == "cluster_restart":
+            self.memory_lost_at = now
             for node in self.c.procs:
                 self.down.add(("daemon", node))
                 self.c.send_signal(node, signal.SIGKILL)  # all at once, then reaped
@@ -557,8 +563,11 @@ class Drill:
             self.frozen.add(f.node)
             self.c.send_signal(f.node, signal.SIGSTOP)
         elif f.kind == "trainer_restart" and self.args.checkpoint_every:
-            self.down.update(("trainer", *key) for key in self.logs)
-            self.end_life(f"fault #{f.index}", first=(f.node, f.local))
+            if any(k[0] == "trainer" for k in self.down):  # the job is down already, restarting for another fault
+                f.note = "the job was already restarting"
+            else:
+                self.down.update(("trainer", *key) for key in self.logs)
+                self.end_life(f"fault #{f.index}", first=(f.node, f.local))
         elif f.kind == "trainer_restart":
             self.down.add(("trainer", f.node, f.local))
             self.kill_trainer(f.node, f.local)
@@ -582,8 +591,9 @@ class Drill:
             self.c.send_signal(f.node, signal.SIGCONT)
             self.frozen.discard(f.node)
         elif f.kind == "trainer_restart" and self.args.checkpoint_every:
-            self.new_life()
-            self.down.difference_update(("trainer", *key) for key in self.logs)
+            if not any(g.kind == "trainer_restart" for _, g in self.pending):  # the last one down starts the job
+                self.new_life()
+                self.down.difference_update(("trainer", *key) for key in self.logs)
         elif f.kind == "trainer_restart":
             self.start_trainer(f.node, f.local)
             self.down.discard(("trainer", f.node, f.local))
@@ -603,14 +613,7 @@ class Drill:
     def poll(self, phase: str) -> None:
         """Read the trainers' logs, answer exits we did not cause as a supervisor would, watch for a stall."""
         assert self.c is not None
-        for key, log in self.logs.items():
-            for e in log.read():
-                if e["ev"] == "ok":
-                    self.last_progress = max(self.last_progress, e["t"])
-                    self.max_step = max(self.max_step, e["step"])
-                elif e["ev"] == "crash":
-                    self.crashes.append(f"trainer {key[0]}.{key[1]} (pid {e['pid']}) at step {e['step']}: "
-                                        f"{e['kind']}: {e['msg']}")
+        self.read_logs()
         for node, proc in self.c.procs.items():
             if ("daemon", node) not in self.down and proc.poll() is not None:
                 at = time.monotonic() - self.t0
@@ -642,6 +645,17 @@ class Drill:
                 and self.stall_flagged_at != self.last_progress):
             self.stall_flagged_at = self.last_progress
             self.report_deadlock(phase)
+
+    def read_logs(self) -> None:
+        """The trainers' new events: progress, and crashes (the only reader: an event is seen once)."""
+        for key, log in self.logs.items():
+            for e in log.read():
+                if e["ev"] == "ok":
+                    self.last_progress = max(self.last_progress, e["t"])
+                    self.max_step = max(self.max_step, e["step"])
+                elif e["ev"] == "crash":
+                    self.crashes.append(f"trainer {key[0]}.{key[1]} (pid {e['pid']}) at step {e['step']}: "
+                                        f"{e['kind']}: {e['msg']}")
 
     def report_deadlock(self, phase: str) -> None:
         since = time.monotonic() - self.last_progress
@@ -933,11 +947,14 @@ def check_checkpoints(logs: dict[tuple[int, int], TrainerLog], job_restarts: lis
     lost = []
     for r in job_restarts:
         steps = restored.get(r["life"] + 1, set())
-        k = -1 if None in steps or not steps else max(steps)
-        r["restored"], r["lost"] = (None if k < 0 else k), r["delivered"] - k
         r["since_complete"] = r["delivered"] - r["complete"]
+        if not steps:  # the next life was killed (or the run ended) before any trainer had restored
+            r["restored"] = r["lost"] = None
+            continue
+        k = -1 if None in steps else max(steps)
+        r["restored"], r["lost"] = (None if k < 0 else k), r["delivered"] - k
         lost.append(r["lost"])
-        if steps and k < r["complete"]:
+        if k < r["complete"]:
             problems.append(f"life {r['life'] + 1} restored step {None if k < 0 else k}, but step {r['complete']} was "
                             f"complete on every node before life {r['life']} ended ({r['why']}): {r['lost']} "
                             f"iterations lost, {r['since_complete']} since the last complete checkpoint")

@@ -222,7 +222,10 @@ def train_steps(args: argparse.Namespace, rank: int, client: Any, batch_of: Call
             report_step(row, args.steps, what, args.json)
         step += 1
     if ckpt is not None:
-        ckpt.wait()
+        try:
+            ckpt.wait()
+        except Exception as exc:  # zen.checkpoint.CheckpointError: the last save failed, the training did not
+            print(f"the last checkpoint was not taken: {exc}", file=sys.stderr, flush=True)
     if rank == 0 and not args.json:
         report_summary(rows, args.backend)
     if client is not None and hook is not dist.group.WORLD:

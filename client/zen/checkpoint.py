@@ -153,8 +153,7 @@ def _dcp_failures(what: str) -> Iterator[None]:
         ranks = sorted(exc.failures)
         why = "; ".join(f"rank {r}: {type(exc.failures[r][0]).__name__}: {str(exc.failures[r][0])[:300]}"
                         for r in ranks[:4])
-        raise CheckpointError(f"{what} failed on rank{'s' if len(ranks) > 1 else ''} "
-                              f"{', '.join(map(str, ranks))}: {why}") from exc
+        raise CheckpointError(f"{what} failed on {len(ranks)} rank{'s' if len(ranks) > 1 else ''}: {why}") from exc
 
 
 def _done(value: Any) -> Future[Any]:
@@ -476,11 +475,17 @@ class Checkpointer:
         return True
 
     def save(self, state: dict[str, Any], step: int) -> None:
+        """Checkpoint `state` as step `step`. CheckpointError if it failed, or (asynchronous) if the save before
+        it failed: this one is under way all the same, so a failed save costs only itself."""
         import torch.distributed.checkpoint as dcp
 
         writer = MemoryWriter(step, self.client)
         if self.asynchronous:
-            self.wait()  # one save in flight at a time: the kept stager's copy is free again
+            before: CheckpointError | None = None
+            try:
+                self.wait()  # one save in flight at a time: the kept stager's copy is free again
+            except CheckpointError as exc:  # every rank alike: all of them go on to this save
+                before = exc
             if self._stager is None:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -492,6 +497,9 @@ class Checkpointer:
                 self._pending = dcp.async_save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
                                                process_group=self.process_group, async_stager=self._stager)
             self._pending_step = step
+            if before is not None:
+                self.last_saved = step
+                raise before
         else:
             with _dcp_failures(f"checkpoint step {step}: saving"):
                 dcp.save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
@@ -523,7 +531,7 @@ class Checkpointer:
         mine: Any
         try:
             mine = self._held()
-        except ZenError as exc:  # said to every trainer: one that raised alone would leave the rest in the gather
+        except Exception as exc:  # said to every trainer: one that raised alone would leave the rest in the gather
             mine = f"{type(exc).__name__}: {exc}"
         if dist.is_available() and dist.is_initialized():
             everyone: list[Any] = [None] * dist.get_world_size(self.process_group)

