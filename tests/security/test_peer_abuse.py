@@ -145,7 +145,9 @@ def test_junk_for_steps_no_node_runs_is_discarded_not_buffered(target, tally):
 
 def test_a_corrupt_message_from_a_peer_fails_the_step_on_every_node_naming_the_peer(target, tally):
     """The insider pushes junk for the honest job's next step before the real node 1 does: node 0
-    takes the junk, the step fails on both nodes alike, naming rank 1; the retry gets the exact sum."""
+    takes the junk, the step fails on both nodes alike, naming rank 1; the retry gets the exact sum.
+    Node 1's trainer may submit only after node 0's abort reached node 1: it then joins the redo at once
+    (0477c8b: a step opens at the first attempt not aborted anywhere) and sees no failure."""
     for _ in range(3):  # the junk must be read before node 1 dials again and takes its link back
         step = target.next_step()
         honest = f"{job_key('honest')}/{tensor_id('honest', 'emb')}/{step}/0"
@@ -160,9 +162,12 @@ def test_a_corrupt_message_from_a_peer_fails_the_step_on_every_node_naming_the_p
         errors = target.honest_step(tally, "data port, a peer with the secret", step=step)
         if errors:
             break
-    assert len(errors) == 2, errors  # the first attempt failed on both nodes, then the retry got the sum
+    # the first attempt failed on node 0, and alike on node 1 if its trainer had submitted it; the retry got
+    # the sum (honest_step checks it on both)
+    assert [e.split(" attempt")[0] for e in errors] in (["node 0", "node 1"], ["node 0"]), errors
+    assert all(e.startswith(f"node {n} attempt 0: ") for n, e in enumerate(errors)), errors
     codes = {e.split(": ")[1] for e in errors}
-    assert len(codes) == 1 and "rank 1" in errors[0] and "rank 1" in errors[1], errors
+    assert len(codes) == 1 and all("rank 1" in e for e in errors), errors
 
 
 def test_a_huge_frame_no_step_needs_drops_the_link_without_taking_memory(target, tally):
