@@ -201,12 +201,12 @@ def trainer_main(argv: list[str]) -> int:
             note("crash", step=step, kind=type(exc).__name__, msg=str(exc)[:400])
             return 3
         dense = dense_of(out_rows, out_values)
-        if ckpt is None:
-            note("ok", step=step, hash=digest(dense), total=int(dense.sum()), gen=client.generation)
-        else:
+        model: dict[str, str] = {}
+        if ckpt is not None:
             param += dense  # the model: every result summed (small integers: exact, whatever the order)
-            note("ok", step=step, hash=digest(dense), total=int(dense.sum()), gen=client.generation,
-                 param=digest(param))
+            model["param"] = digest(param)
+        note("ok", step=step, hash=digest(dense), total=int(dense.sum()), gen=client.generation, **model)
+        if ckpt is not None:
             _checkpoint(ckpt, param, step, note)
         step += 1
         if a.pause_s:
@@ -261,7 +261,6 @@ def _restore(a: argparse.Namespace, rank: int, client: Any, note: Callable[..., 
             with contextlib.suppress(zen.ZenError):
                 client.wait_ready(60)
             dist.barrier()
-    param.zero_()
     note("restore", step=None, param=digest(param), life=a.life, msg=why, attempts=5)
     return ckpt, param
 
@@ -278,7 +277,7 @@ def _checkpoint(ckpt: Any, param: torch.Tensor, step: int, note: Callable[..., N
     except zen.ZenError as exc:
         note("held", step=step, complete=None, msg=str(exc)[:200])
     try:
-        ckpt.maybe_save({"param": param}, step)  # waits for the save before (its failure is raised here)
+        ckpt.save({"param": param}, step)  # waits for the save before (its failure is raised here)
     except Exception as exc:  # DCP's CheckpointException, or the daemon's error
         note("save-error", step=step, msg=f"{type(exc).__name__}: {str(exc)[:400]}")
 

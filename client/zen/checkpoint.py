@@ -480,8 +480,8 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         writer = MemoryWriter(step, self.client)
+        before: CheckpointError | None = None
         if self.asynchronous:
-            before: CheckpointError | None = None
             try:
                 self.wait()  # one save in flight at a time: the kept stager's copy is free again
             except CheckpointError as exc:  # every rank alike: all of them go on to this save
@@ -497,14 +497,13 @@ class Checkpointer:
                 self._pending = dcp.async_save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
                                                process_group=self.process_group, async_stager=self._stager)
             self._pending_step = step
-            if before is not None:
-                self.last_saved = step
-                raise before
         else:
             with _dcp_failures(f"checkpoint step {step}: saving"):
                 dcp.save(state, storage_writer=writer, planner=NodeLocalSavePlanner(),
                          process_group=self.process_group)
         self.last_saved = step
+        if before is not None:
+            raise before
 
     def wait(self) -> None:
         """Until the asynchronous save in flight (if any) has handed its bytes to the daemon; CheckpointError if
@@ -513,7 +512,6 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             with _dcp_failures(f"checkpoint step {self._pending_step}: saving"):
                 getattr(pending, "upload_completion", pending).result()  # a Future, or DCP's AsyncSaveResponse
-
 
     def complete_steps(self) -> list[int]:
         """Steps complete on this trainer's node, newest first."""

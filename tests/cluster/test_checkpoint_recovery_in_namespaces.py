@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.test_checkpoints_dcp import ELASTIC, SCRIPT, outputs, restart
-from tests.helpers import launch_ranks, node_status, poll_for
+from tests.daemon.test_checkpoints_dcp import ELASTIC, node_1_gets_step_20_back_from_its_peer
 from zend.cluster.local import LocalCluster
 
 pytestmark = pytest.mark.netns
@@ -34,14 +33,4 @@ def cluster_in_namespaces(tmp_path: Path) -> Iterator[LocalCluster]:
 @pytest.mark.timeout(420)
 def test_a_replaced_node_in_namespaces_gets_its_checkpoint_back_from_its_peer(
         cluster_in_namespaces: LocalCluster) -> None:
-    c = cluster_in_namespaces
-    saved = outputs(launch_ranks(c, [SCRIPT, "save", "20", "float32"], job="ck", per_node=2, timeout_s=240))
-    poll_for(lambda: [x for x in node_status(c, 1, operator=True).checkpoints if x.last_complete_step == 20], 30,
-             "step 20 complete on node 1")
-    restart(c, 1)
-    status = poll_for(lambda: [x for x in node_status(c, 1, operator=True).checkpoints if x.last_complete_step == 20],
-                      60, "step 20 recovered on node 1")
-    assert status[0].bytes > 0
-    loaded = outputs(launch_ranks(c, [SCRIPT, "load", "float32"], job="ck", per_node=2, timeout_s=240))
-    assert [x["step"] for x in loaded] == [20] * 4
-    assert [x["digest"] for x in loaded] == [x["digest"] for x in saved]
+    node_1_gets_step_20_back_from_its_peer(cluster_in_namespaces)

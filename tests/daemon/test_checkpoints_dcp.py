@@ -50,7 +50,12 @@ def restart(c, node: int) -> None:  # type: ignore[no-untyped-def]
 def test_a_restarted_daemon_gets_its_checkpoint_back_from_its_peer(fresh_cluster):
     """Elastic: node 1's daemon is killed (its memory gone) and restarted under the same --rank; the new
     generation's census gives it node 1's objects from node 0's copy, and every trainer loads step 20."""
-    c = fresh_cluster(2, elastic=True, extra=ELASTIC)
+    node_1_gets_step_20_back_from_its_peer(fresh_cluster(2, elastic=True, extra=ELASTIC))
+
+
+def node_1_gets_step_20_back_from_its_peer(c) -> None:  # type: ignore[no-untyped-def]
+    """2 trainers per node save 20 steps; node 1's daemon is killed and restarted under the same --rank; its
+    census brings step 20 back, and new trainers load it bit for bit (also run in network namespaces)."""
     saved = outputs(launch_ranks(c, [SCRIPT, "save", "20", "float32"], job="ck", per_node=2, timeout_s=240))
     poll_for(lambda: [x for x in node_status(c, 1, operator=True).checkpoints if x.last_complete_step == 20], 30,
              "step 20 complete on node 1")
