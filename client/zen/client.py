@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ import grpc
 import torch
 from torch.profiler import record_function
 
+from zen import fusion
 from zen.errors import (
     DaemonUnavailable,
     InvalidGradient,
@@ -68,19 +70,24 @@ def checked_rows(rows: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
 MAX_FUSED_ROWS = 2**31  # a zen tensor's rows (zend.core.sparse): tables fused past it go as more steps
 
 
-def _within_rows(members: list[int], tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
-    """`members` cut, in order, into runs whose rows add up to less than `limit` (a table alone at or
-    over it is a run of its own, refused by name when its step starts). The same cut on every trainer."""
-    runs: list[list[int]] = [[]]
-    total = 0
-    for i in members:
-        rows = tensors[i].shape[0]
-        if runs[-1] and total + rows >= limit:
-            runs.append([])
-            total = 0
-        runs[-1].append(i)
-        total += rows
-    return runs
+def _cut_rows(rows: torch.Tensor, cut: int) -> torch.Tensor:
+    """Row r of a table cut into `cut` rows each: rows r*cut .. r*cut + cut-1, in order."""
+    if cut == 1:
+        return rows
+    return (rows.unsqueeze(1) * cut + torch.arange(cut, device=rows.device)).reshape(-1)
+
+
+def _joined_rows(rows: torch.Tensor, values: torch.Tensor, cut: int,
+                 row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_cut_rows` undone on a result: its (ascending) cut rows back into whole rows of `row_shape`. A
+    row's pieces all come back together (every trainer sent them all); one missing would be zeros."""
+    if cut == 1:
+        return rows, values.reshape(values.shape[0], *row_shape)
+    whole, at = torch.unique_consecutive(torch.div(rows, cut, rounding_mode="floor"), return_inverse=True)
+    joined = values.new_zeros((whole.numel(), cut, values.shape[-1]))
+    joined[at, rows % cut] = values
+    return whole, joined.reshape(-1, *row_shape)
+
 
 
 StepStats = StepResult  # what the daemon reported of a tensor's last step, as seen from this trainer's node
@@ -282,39 +289,48 @@ class Client:
                        timeout_s: float | None = None) -> list[torch.Tensor]:
         """The sums of several row-sparse COO tensors in one step per kind (tensor fusion, as Horovod's).
 
-        A step costs the daemon a fixed 1-3 ms however small the tensor; fused, 32 small tensors pay
-        it once. Tensors of the same dtype, row shape and device are stacked into one tensor (rows
-        offset one after another; a new one where their rows would reach 2**31) and synchronised in one
-        step; the results are split back, in the order given. Every trainer of the job must pass the
-        same names, in the same order, with the same shapes: the fused tensor is named after them.
+        A step costs the daemon a fixed 1-3 ms however small the tensor, and its commit two rounds;
+        fused, 32 small tensors pay them once. Tensors of the same dtype and device are stacked into
+        one tensor (rows offset one after another; a new one where their rows would reach 2**31) and
+        synchronised in one step; the results are split back, in the order given. Tables of different
+        row widths share the step as rows of the widths' common divisor where that is at least 64
+        bytes and cuts no row into more than 4 (zen.fusion.batches; 256- and 64-wide float32 tables:
+        rows of 64), else go in a step of their own. Every trainer of the job must pass the same
+        names, in the same order, with the same shapes: the fused tensor is named after them.
         """
         if len(tensors) != len(names) or len(set(names)) != len(names):
             raise InvalidGradient(f"allreduce_many: {len(tensors)} tensors for {len(names)} names, which must be "
                                   "as many and distinct")
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for i, (t, name) in enumerate(zip(tensors, names, strict=True)):
+        for t, name in zip(tensors, names, strict=True):
             if not isinstance(t, torch.Tensor) or not t.is_sparse or t.sparse_dim() != 1:
                 raise InvalidGradient(f"tensor {name!r}: allreduce_many takes row-sparse COO tensors (sparse_dim 1)")
-            groups.setdefault((t.dtype, tuple(t.shape[1:]), t.device), []).append(i)
+        tables = [fusion.Table((t.dtype, t.device), math.prod(t.shape[1:]), t.element_size(), t.shape[0])
+                  for t in tensors]
         out: list[torch.Tensor | None] = [None] * len(tensors)
-        for members in (chunk for kind in groups.values() for chunk in _within_rows(kind, tensors, MAX_FUSED_ROWS)):
-            parts = [tensors[i] for i in members]
+        # the bound read now, not at import: benchmarks/many_tensors.py sets it to compare
+        for batch in fusion.batches(tables, MAX_FUSED_ROWS, fusion.MIN_SHARED_ROW_BYTES):
+            parts = [tensors[i] for i in batch.members]
+            cuts = [tables[i].row_numel // batch.width if batch.width else 1 for i in batch.members]
             offsets = [0]
-            for t in parts:
-                offsets.append(offsets[-1] + t.shape[0])
-            indices = torch.cat([t._indices()[0] + off for t, off in zip(parts, offsets, strict=False)])
-            values = torch.cat([t._values() for t in parts])
-            key = "\0".join(f"{names[i]}:{list(tensors[i].shape)}" for i in members)
+            for t, cut in zip(parts, cuts, strict=True):
+                offsets.append(offsets[-1] + t.shape[0] * cut)
+            indices = torch.cat([_cut_rows(t._indices()[0], cut) + off
+                                 for t, cut, off in zip(parts, cuts, offsets, strict=False)])
+            one_shape = len({tuple(t.shape[1:]) for t in parts}) == 1  # rows stacked as they are
+            values = torch.cat([t._values() if one_shape else t._values().reshape(t._nnz() * cut, batch.width)
+                                for t, cut in zip(parts, cuts, strict=True)])
+            key = "\0".join(f"{names[i]}:{list(tensors[i].shape)}" for i in batch.members)
             fused = f"fused:{hashlib.sha1(key.encode()).hexdigest()[:16]}"
             rows, vals = self.allreduce((indices, values), name=fused, num_rows=offsets[-1], average=average,
                                         timeout_s=timeout_s)
-            for i in members:
+            for i in batch.members:
                 self._fused_into[names[i]] = fused
-            cuts = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()  # rows come sorted
-            for j, (i, t) in enumerate(zip(members, parts, strict=True)):
-                lo, hi = cuts[j], cuts[j + 1]
-                mine = checked_rows(rows[lo:hi] - offsets[j], t.shape[0], names[i])
-                out[i] = torch.sparse_coo_tensor(mine.unsqueeze(0), vals[lo:hi], t.shape, is_coalesced=True,
+            bounds = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()  # rows come sorted
+            for j, (i, t) in enumerate(zip(batch.members, parts, strict=True)):
+                lo, hi = bounds[j], bounds[j + 1]
+                whole, mine = _joined_rows(rows[lo:hi] - offsets[j], vals[lo:hi], cuts[j], tuple(t.shape[1:]))
+                checked = checked_rows(whole, t.shape[0], names[i])
+                out[i] = torch.sparse_coo_tensor(checked.unsqueeze(0), mine, t.shape, is_coalesced=True,
                                                  check_invariants=False)  # rows: checked just above
         return [t for t in out if t is not None]
 

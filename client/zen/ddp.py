@@ -4,13 +4,14 @@
 
 Sparse buckets (nn.Embedding(sparse=True) parameters get a bucket each) go through the zen
 daemon, fused: the hook holds each until DDP's last bucket of the backward pass
-(`GradBucket.is_last()`), then sends them all as one step per dtype and row width
-(`Client.allreduce_many`), so the daemon's fixed cost and the commit's rounds are paid once
-per iteration, not once per table (`fuse=False`: a step per bucket as it comes, overlapping
-the rest of the backward pass). Dense buckets go through torch's own allreduce on DDP's process group, or, with
-`dense="topk"`, through the daemon as top-k values with error feedback. DDP stops dividing
-by the world size once a hook is registered, so the hook averages. torch's DDP itself refuses
-a sparse parameter left unused in a step (even with find_unused_parameters=True); for models
+(`GradBucket.is_last()`), then sends them all as one step per dtype (row widths share it as
+rows of their common divisor, within bounds: `Client.allreduce_many`), so the
+daemon's fixed cost and the commit's rounds are paid once per iteration, not once per table
+(`fuse=False`: a step per bucket as it comes, overlapping the rest of the backward pass).
+Dense buckets go through torch's own allreduce on DDP's process group, or, with
+`dense="topk"`, through the daemon as top-k values with error feedback. DDP stops dividing by
+the world size once a hook is registered, so the hook averages. torch's DDP itself refuses a
+sparse parameter left unused in a step (even with find_unused_parameters=True); for models
 that have them, `sync_gradients` without DDP handles it.
 """
 
@@ -149,8 +150,8 @@ def sync_gradients(model: nn.Module, client: Client, *, average: bool = True, to
                    prefix: str = "") -> None:
     """Sum (or average) every parameter's gradient across the job's trainers, all tensors at once.
 
-    Sparse gradients stay sparse, fused into one step per dtype and row shape
-    (`Client.allreduce_many`: the daemon's fixed cost per step is paid once); dense ones are
+    Sparse gradients stay sparse, fused into one step per dtype (`Client.allreduce_many`: the
+    daemon's fixed cost and the commit's rounds per step are paid once); dense ones are
     summed densely, or top-k sparsified when `topk` is given, each in its own step, in flight
     meanwhile. Parameters without a gradient this step send an empty one (every trainer must
     take part in every tensor's step), so a parameter unused on one trainer still gets the

@@ -11,7 +11,7 @@ What each op does:
   fp32/fp16/bf16 values, CPU or CUDA tensors. A list of tensors is summed locally first, as gloo
   does. The inputs are updated in place and also returned by `work.result()` / `get_future()`.
   Inside a backward pass (DDP's sparse buckets), calls that repeat the previous pass's order are
-  held until its last and go as one step per dtype and row width (zen/fusion.py): the daemon's
+  held until its last and go as one step per dtype (zen/fusion.py; row widths share it): the daemon's
   fixed cost and the commit's rounds once per iteration. `Options(fuse=False)`: a step per call.
 - `all_reduce` of dense tensors: the inner group, unless `Options(dense="ring" | "topk")` (or
   ZEN_DENSE_ALLREDUCE=ring|topk) sends SUM/AVG ones through the daemon too.
@@ -438,7 +438,8 @@ class ZenProcessGroup(ProcessGroup):
 
     def _send_members(self, members: list[_Member]) -> None:
         """One zen step for one call; for several, one `allreduce_many` per op and device (and, in it, one
-        step per dtype and row width). Each call's own future completes with its own tensors."""
+        step per dtype, row widths sharing it where zen.fusion.batches lets them). Each call's own
+        future completes with its own tensors."""
         kinds: dict[tuple[bool, torch.device], list[_Member]] = {}
         for m in members:  # one device a step: its CUDA stream is waited on before the step reads
             kinds.setdefault((m.average, m.like.device), []).append(m)

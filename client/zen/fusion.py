@@ -16,11 +16,20 @@ same: the batches, and so the daemon's fused tensors, are the same everywhere. P
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 FUSE_ENV = "ZEN_FUSE"  # "0": no fusion, where the code did not choose (a switch for comparisons)
+# Tables of different row widths share a step as rows of their common divisor, where that row is
+# at least this wide (its key, 4 bytes on the wire, then adds at most 1/16 to the values it carries)
+MIN_SHARED_ROW_BYTES = 64
+# and no table's row is cut into more pieces than this: the daemon's CPU goes per row piece, and
+# 1 MiB tables of 256 floats cut into 16 cost more than the step saved (benchmarks/many_tensors.py
+# --widths; cut into 4, they cost no more)
+MAX_CUT = 4
 
 
 def fuse_setting(given: bool | None, environ: Mapping[str, str]) -> bool:
@@ -84,6 +93,63 @@ class PassFusion(Generic[Item]):
             self.learned = tuple(self._seen)
         self._pass, self._seen = backward_pass, []
         self._following = len(self.learned) > 1  # one call a pass: nothing to fuse
+
+
+@dataclass(frozen=True)
+class Table:
+    """What fusion needs of one tensor: its kind (dtype, device: only one kind shares a step), the
+    values in one of its rows, their size in bytes each, and its number of rows."""
+    kind: Hashable
+    row_numel: int
+    itemsize: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Tables sent as one step: each row of a member goes as row_numel // width consecutive rows of
+    `width` values (one row, as it is, where every member has that width)."""
+    members: tuple[int, ...]
+    width: int
+
+
+def batches(tables: Sequence[Table], max_rows: int, min_row_bytes: int = MIN_SHARED_ROW_BYTES,
+            max_cut: int = MAX_CUT) -> list[Batch]:
+    """The steps that `tables` go in: one per kind where their widths allow, in the order of each
+    step's first table, members in the order given. The same on every trainer given the same tables.
+
+    A table joins the first step of its kind that has its width, or whose members and it have a
+    greatest common divisor at least `min_row_bytes` wide that cuts no row into more than `max_cut`
+    pieces (tables of 256 and 64 float32 values a row: one step of 64-value rows; 256 and 16: two
+    steps); else it starts a step of its own. A step's rows (counted after the cut)
+    stay below `max_rows`: past it the tables go on in a new step (a table alone at or over it is a
+    step of its own, refused by name when it starts)."""
+    # (kind, width, widest row, members), in order of first member
+    open_steps: list[tuple[Hashable, int, int, list[int]]] = []
+    for i, t in enumerate(tables):
+        for j, (kind, width, widest, members) in enumerate(open_steps):
+            shared, wider = math.gcd(width, t.row_numel), max(widest, t.row_numel)
+            if kind == t.kind and (width == t.row_numel == widest or (
+                    0 not in (width, t.row_numel) and shared * t.itemsize >= min_row_bytes
+                    and wider // shared <= max_cut)):
+                open_steps[j] = (kind, shared, wider, [*members, i])
+                break
+        else:
+            open_steps.append((t.kind, t.row_numel, t.row_numel, [i]))
+    runs: list[list[int]] = []
+    for _, width, _, members in open_steps:
+        runs.append([])
+        total = 0
+        for i in members:
+            rows = tables[i].rows * (tables[i].row_numel // width if width else 1)
+            if runs[-1] and total + rows >= max_rows:
+                runs.append([])
+                total = 0
+            runs[-1].append(i)
+            total += rows
+    # a run's own divisor: cut no finer than its members need (a multiple of the step's: fewer rows)
+    return sorted((Batch(tuple(run), math.gcd(*(tables[i].row_numel for i in run))) for run in runs),
+                  key=lambda b: b.members[0])
 
 
 def settle(done: Any, results: Sequence[Any], each: bool = False) -> None:

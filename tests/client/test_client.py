@@ -192,6 +192,42 @@ def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
 
 
 @pytest.mark.daemon
+def test_allreduce_many_sends_tables_of_different_widths_in_one_step_with_the_same_bits(cluster2):
+    """Widths 256, 64, 4x16 and 128 float32 values (rows cut into 64) share one step; width 3 goes in its
+    own. Rows repeated within a table (nn.Embedding's uncoalesced gradients) and a table with no rows too."""
+    def tensors(node: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + node)
+
+        def sparse(rows: int, shape: tuple[int, ...], present: int, repeat: bool = False) -> torch.Tensor:
+            idx = torch.randperm(rows, generator=g)[:present]
+            if repeat:
+                idx = torch.cat([idx, idx[: present // 2]])
+            values = torch.randn(idx.numel(), *shape, generator=g)
+            return torch.sparse_coo_tensor(idx.unsqueeze(0), values, (rows, *shape), check_invariants=True)
+
+        return [sparse(40, (256,), 9, repeat=True), sparse(30, (64,), 30), sparse(12, (4, 16), 5),
+                sparse(50, (3,), 7), sparse(20, (128,), 0), sparse(25, (256,), 3 + node)]
+
+    names = ["wide", "narrow", "shaped", "odd", "empty", "wide2"]
+
+    def trainer(node: int):  # type: ignore[no-untyped-def]
+        with zen.Client(cluster2.socket_dir(node), job="widths", token=cluster2.token("widths")) as client:
+            fused = client.allreduce_many(tensors(node), names=names)
+            one_by_one = [client.allreduce(t, name=f"single-{n}") for t, n in zip(tensors(node), names, strict=True)]
+            return fused, one_by_one, [client.last_stats(n) for n in names]
+
+    results = run_all([lambda n=n: trainer(n) for n in range(2)])
+    assert all(not isinstance(r, BaseException) for r in results), results
+    for fused, one_by_one, stats in results:
+        shared = [s for i, s in enumerate(stats) if names[i] != "odd"]
+        assert all(s is shared[0] for s in shared) and stats[3] is not shared[0], stats  # two steps, not five
+        for i, (f, single) in enumerate(zip(fused, one_by_one, strict=True)):
+            assert f.shape == single.shape and f.is_coalesced(), names[i]
+            assert torch.equal(f._indices(), single._indices()), names[i]  # the same rows, none added or lost
+            assert torch.equal(f._values(), single._values()), names[i]  # fused or not, the same bits
+
+
+@pytest.mark.daemon
 @pytest.mark.parametrize("fuse", [True, False])
 def test_a_failed_bucket_comes_back_to_the_training_loop_typed(fuse):
     """DDP turns a hook's failure into a RuntimeError; HookState.reraise gives zen's typed error back."""

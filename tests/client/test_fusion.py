@@ -10,11 +10,50 @@ import torch
 import torch.distributed as dist
 import zen
 import zen.distributed as zd
-from zen.fusion import PassFusion
+from hypothesis import given
+from hypothesis import strategies as st
+from zen.fusion import Batch, PassFusion, Table, batches
 
 from tests.helpers import poll_for
 
 pytestmark = pytest.mark.inprocess
+
+
+def test_tables_of_one_kind_share_a_step_as_rows_of_their_common_width_while_that_is_64_bytes() -> None:
+    f32 = [Table("f32", 256, 4, 10), Table("f32", 64, 4, 5), Table("f32", 3, 4, 2), Table("bf16", 64, 2, 7),
+           Table("f32", 16, 4, 4), Table("f32", 32, 4, 9), Table("f32", 3, 4, 1), Table("f32", 128, 4, 1)]
+    # 256 and 64 float32 values share rows of 64 (256 cut in 4); 16 would cut 256 in 16: a step of its
+    # own, which 32 joins (cut in 2); 3 would make rows of 1: its own step, with the other 3-wide table;
+    # bf16 is another kind; 128 joins the first step it fits
+    assert batches(f32, 2**31) == [Batch((0, 1, 7), 64), Batch((2, 6), 3), Batch((3,), 64), Batch((4, 5), 16)]
+    assert batches(f32, 2**31, max_cut=16)[0] == Batch((0, 1, 4, 5, 7), 16)
+    # below 64 bytes a common divisor is not taken: a step per width, as before
+    assert batches([Table("f32", 8, 4, 1), Table("f32", 4, 4, 1)], 2**31) == [Batch((0,), 8), Batch((1,), 4)]
+    # rows are counted after the cut (10 rows of 256 cut into 16 are 160); a step cut off by the bound
+    # takes its own members' divisor
+    assert batches([Table("f32", 256, 4, 10), Table("f32", 16, 4, 10)], 170) == [Batch((0,), 256), Batch((1,), 16)]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["f32", "bf16"]), st.sampled_from([0, 1, 3, 4, 8, 16, 24, 64, 96, 256]),
+                          st.integers(0, 50)), max_size=12), st.integers(1, 400))
+def test_every_table_goes_in_one_step_of_its_kind_cut_evenly_within_the_bounds(
+        specs: list[tuple[str, int, int]], max_rows: int) -> None:
+    tables = [Table(kind, width, 4 if kind == "f32" else 2, rows) for kind, width, rows in specs]
+    plan = batches(tables, max_rows)
+    assert plan == batches(tables, max_rows)  # every trainer plans alike
+    assert sorted(i for b in plan for i in b.members) == list(range(len(tables)))
+    assert [b.members[0] for b in plan] == sorted(b.members[0] for b in plan)
+    for b in plan:
+        members = [tables[i] for i in b.members]
+        assert list(b.members) == sorted(b.members) and len({t.kind for t in members}) == 1
+        widths = {t.row_numel for t in members}
+        if len(widths) > 1:  # shared rows: a common divisor no narrower than 64 bytes, rows cut in 4 at most
+            assert b.width > 0 and b.width * members[0].itemsize >= 64
+            assert all(w % b.width == 0 and w // b.width <= 4 for w in widths)
+        else:
+            assert b.width == widths.pop()
+        cut_rows = sum(t.rows * (t.row_numel // b.width if b.width else 1) for t in members)
+        assert cut_rows < max_rows or len(members) == 1
 
 
 def test_the_first_pass_is_learned_then_each_pass_goes_whole_at_its_last_call() -> None:
