@@ -3,7 +3,7 @@
 n ranks, one per network namespace behind a rate-limited link (zend/cluster/netns.py), a zend daemon
 in each namespace for the zen runs. In the same run and on the same namespaces:
   zen            plain DDP on the "zen" torch.distributed backend: the sparse tables through the
-                 daemons (a backward pass's tables fused into one step per width), dense buckets by
+                 daemons (a backward pass's tables fused into one step per dtype), dense buckets by
                  the backend's inner gloo group
   zen hook       DDP on gloo with zen.comm_hook: the same split
   ... unfused    the same with ZEN_FUSE=0: a zen step per sparse bucket

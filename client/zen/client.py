@@ -11,7 +11,6 @@ of the job must call allreduce for the same names in the same order of steps.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -26,7 +25,7 @@ import grpc
 import torch
 from torch.profiler import record_function
 
-from zen import fusion
+from zen import fused_rows, fusion
 from zen.errors import (
     DaemonUnavailable,
     InvalidGradient,
@@ -68,25 +67,6 @@ def checked_rows(rows: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
 
 
 MAX_FUSED_ROWS = 2**31  # a zen tensor's rows (zend.core.sparse): tables fused past it go as more steps
-
-
-def _cut_rows(rows: torch.Tensor, cut: int) -> torch.Tensor:
-    """Row r of a table cut into `cut` rows each: rows r*cut .. r*cut + cut-1, in order."""
-    if cut == 1:
-        return rows
-    return (rows.unsqueeze(1) * cut + torch.arange(cut, device=rows.device)).reshape(-1)
-
-
-def _joined_rows(rows: torch.Tensor, values: torch.Tensor, cut: int,
-                 row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_cut_rows` undone on a result: its (ascending) cut rows back into whole rows of `row_shape`. A
-    row's pieces all come back together (every trainer sent them all); one missing would be zeros."""
-    if cut == 1:
-        return rows, values.reshape(values.shape[0], *row_shape)
-    whole, at = torch.unique_consecutive(torch.div(rows, cut, rounding_mode="floor"), return_inverse=True)
-    joined = values.new_zeros((whole.numel(), cut, values.shape[-1]))
-    joined[at, rows % cut] = values
-    return whole, joined.reshape(-1, *row_shape)
 
 
 
@@ -309,26 +289,13 @@ class Client:
         out: list[torch.Tensor | None] = [None] * len(tensors)
         # the bound read now, not at import: benchmarks/many_tensors.py sets it to compare
         for batch in fusion.batches(tables, MAX_FUSED_ROWS, fusion.MIN_SHARED_ROW_BYTES):
-            parts = [tensors[i] for i in batch.members]
-            cuts = [tables[i].row_numel // batch.width if batch.width else 1 for i in batch.members]
-            offsets = [0]
-            for t, cut in zip(parts, cuts, strict=True):
-                offsets.append(offsets[-1] + t.shape[0] * cut)
-            indices = torch.cat([_cut_rows(t._indices()[0], cut) + off
-                                 for t, cut, off in zip(parts, cuts, offsets, strict=False)])
-            one_shape = len({tuple(t.shape[1:]) for t in parts}) == 1  # rows stacked as they are
-            values = torch.cat([t._values() if one_shape else t._values().reshape(t._nnz() * cut, batch.width)
-                                for t, cut in zip(parts, cuts, strict=True)])
-            key = "\0".join(f"{names[i]}:{list(tensors[i].shape)}" for i in batch.members)
-            fused = f"fused:{hashlib.sha1(key.encode()).hexdigest()[:16]}"
-            rows, vals = self.allreduce((indices, values), name=fused, num_rows=offsets[-1], average=average,
-                                        timeout_s=timeout_s)
-            for i in batch.members:
-                self._fused_into[names[i]] = fused
-            bounds = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()  # rows come sorted
-            for j, (i, t) in enumerate(zip(batch.members, parts, strict=True)):
-                lo, hi = bounds[j], bounds[j + 1]
-                whole, mine = _joined_rows(rows[lo:hi] - offsets[j], vals[lo:hi], cuts[j], tuple(t.shape[1:]))
+            packed = fused_rows.pack(tensors, names, batch)
+            rows, vals = self.allreduce((packed.indices, packed.values), name=packed.name, num_rows=packed.num_rows,
+                                        average=average, timeout_s=timeout_s)
+            members = [tensors[i] for i in batch.members]
+            split = fused_rows.unpack(packed, rows, vals, [tuple(t.shape[1:]) for t in members])
+            for i, t, (whole, mine) in zip(batch.members, members, split, strict=True):
+                self._fused_into[names[i]] = packed.name
                 checked = checked_rows(whole, t.shape[0], names[i])
                 out[i] = torch.sparse_coo_tensor(checked.unsqueeze(0), mine, t.shape, is_coalesced=True,
                                                  check_invariants=False)  # rows: checked just above

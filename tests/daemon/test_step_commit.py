@@ -9,6 +9,7 @@ or all get the same error; nothing is left in a live node's mailboxes or step ta
 from __future__ import annotations
 
 import gc
+import math
 import random
 import threading
 import time
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from zen.fused_rows import pack, unpack
+from zen.fusion import Table, batches
 
 from tests.core.helpers import assert_close_to, reference_sum
 from tests.daemon.test_node_steps import JOB, Node, grad_of
@@ -58,11 +61,14 @@ def plan_of(schedule: Schedule) -> FaultPlan:
     return plan
 
 
-def run_step(fault: Schedule, scheme: str, step: int = 0) -> tuple[FaultPlan, InProcessCluster, list[Node],
-                                                               list[list[object]]]:
-    """One step of tensor 'emb' on every trainer of every node under `fault`; outcomes[node][trainer]."""
+def run_step(fault: Schedule, scheme: str, step: int = 0, spec: TensorSpec | None = None,
+             part: Callable[[int], SparseGrad] | None = None) -> tuple[FaultPlan, InProcessCluster, list[Node],
+                                                                    list[list[object]]]:
+    """One step of tensor 'emb' (or `spec`, trainer i giving part(i)) on every trainer of every node
+    under `fault`; outcomes[node][trainer]."""
     net, cluster = plan_of(fault), InProcessCluster(NODES)
-    spec = TensorSpec(JOB, "emb", (300, 4), "float32", "sparse_rows", False)
+    spec = spec or TensorSpec(JOB, "emb", (300, 4), "float32", "sparse_rows", False)
+    part = part or (lambda i: grad_of(i, step, rows=300))
     nodes = [Node(net.wrap(cluster.communicator(r)), scheme, timeout_s=10.0) for r in range(NODES)]
     sessions = [[n.trainer(t, TRAINERS) for t in range(TRAINERS)] for n in nodes]
     outcomes: list[list[object]] = [[None] * TRAINERS for _ in range(NODES)]
@@ -81,7 +87,7 @@ def run_step(fault: Schedule, scheme: str, step: int = 0) -> tuple[FaultPlan, In
             left.set()
             return
         try:
-            outcomes[r][t] = node.submit(session, spec, grad_of(r * TRAINERS + t, step, rows=300), step)
+            outcomes[r][t] = node.submit(session, spec, part(r * TRAINERS + t), step)
         except StepError as exc:
             outcomes[r][t] = exc
 
@@ -94,14 +100,14 @@ def run_step(fault: Schedule, scheme: str, step: int = 0) -> tuple[FaultPlan, In
     return net, cluster, nodes, outcomes
 
 
-def clean_ops(scheme: str) -> list[int]:
-    net, _, _, outcomes = run_step(Schedule("none"), scheme)
+def clean_ops(scheme: str, **step: object) -> list[int]:
+    net, _, _, outcomes = run_step(Schedule("none"), scheme, **step)  # type: ignore[arg-type]
     assert all(isinstance(o, SparseGrad) for per in outcomes for o in per)
     return list(net.ops)
 
 
-def schedules(seed: int, scheme: str, count: int) -> list[Schedule]:
-    ops = clean_ops(scheme)
+def schedules(seed: int, scheme: str, count: int, **step: object) -> list[Schedule]:
+    ops = clean_ops(scheme, **step)
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -144,6 +150,59 @@ def test_under_random_faults_the_nodes_still_up_all_deliver_the_same_bits_or_all
         if fault.kind == "pause":
             assert "delivered" in seen  # a straggler is waited for
     assert seen == {"delivered", "aborted"}  # the schedules hit both outcomes
+
+
+def iteration_of(trainer: int) -> list[torch.Tensor]:
+    """A trainer's sparse gradients of one iteration: three tables of different row widths."""
+    g = torch.Generator().manual_seed(500 + trainer)
+    tables = []
+    for rows, shape in ((300, (64,)), (200, (4, 4)), (100, (32,))):
+        idx = torch.randint(0, rows, (int(torch.randint(0, rows // 2, (1,), generator=g)),), generator=g)
+        tables.append(torch.sparse_coo_tensor(idx.unsqueeze(0), torch.randn(idx.numel(), *shape, generator=g),
+                                              (rows, *shape), check_invariants=True))
+    return tables
+
+
+def test_under_random_faults_an_iteration_fused_into_one_step_reaches_every_trainer_whole_or_fails_whole() -> None:
+    """The commit's guarantee lifted to the iteration: a backward pass's tables, fused as the backend
+    and the hook fuse them (zen.fusion.batches, zen.fused_rows: three row widths, one step), reach
+    every trainer of the nodes still up with every table's sum, or fail on all of them; never some
+    tables of an iteration delivered and others not."""
+    names = ["emb", "pos", "head"]
+    tables = iteration_of(0)
+    plan = batches([Table((t.dtype, t.device), math.prod(t.shape[1:]), t.element_size(), t.shape[0])
+                    for t in tables], 2**31)
+    assert [b.members for b in plan] == [(0, 1, 2)], plan  # one step for the iteration
+    packed = [pack(iteration_of(i), names, plan[0]) for i in range(NODES * TRAINERS)]
+    spec = TensorSpec(JOB, packed[0].name, (packed[0].num_rows, plan[0].width), "float32", "sparse_rows", False)
+
+    def part(i: int) -> SparseGrad:
+        return SparseGrad(packed[i].indices, packed[i].values, packed[i].num_rows)
+
+    full = [sum(iteration_of(i)[k].to_dense() for i in range(NODES * TRAINERS)) for k in range(len(names))]
+    seen = set()
+    for fault in schedules(11, "zen", 40, spec=spec, part=part):
+        net, cluster, nodes, outcomes = run_step(fault, "zen", spec=spec, part=part)
+        up = [r for r in range(NODES) if r not in net.dead]
+        got = [o for r in up for o in outcomes[r] if o != "left"]
+        if all(isinstance(o, SparseGrad) for o in got):
+            per_trainer = [unpack(packed[0], o.indices, o.values, [tuple(t.shape[1:]) for t in tables])
+                           for o in got if isinstance(o, SparseGrad)]
+            for k, want in enumerate(full):
+                rows, values = per_trainer[0][k]
+                dense = torch.zeros_like(want)
+                dense[rows] = values
+                assert_close_to(dense, want, torch.float32, NODES * TRAINERS)  # every table, whole
+                for other in per_trainer[1:]:
+                    assert torch.equal(other[k][0], rows) and torch.equal(other[k][1], values), (fault, names[k])
+            seen.add("delivered")
+        else:
+            errors = [o for o in got if isinstance(o, StepError)]
+            assert len(errors) == len(got), f"{fault}: some trainers got the iteration, some failed: {outcomes}"
+            seen.add("aborted")
+        assert cluster.mailbox_messages(except_to=frozenset(net.dead)) == 0, fault
+        assert all(nodes[r].trainer_steps.in_flight() == 0 for r in up), fault
+    assert seen == {"delivered", "aborted"}
 
 
 def test_an_aborted_step_can_be_submitted_again_and_then_sums_every_part() -> None:
