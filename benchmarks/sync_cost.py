@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -124,7 +123,9 @@ def main() -> int:
     if args.rank is not None:
         worker(args)
         return 0
-    env = dict(os.environ, ZEN_CLUSTER_SECRET=secrets.token_hex(32), PYTHONPATH=str(ROOT))
+    from zend.daemon.secret import new_secret
+
+    env = dict(os.environ, ZEN_CLUSTER_SECRET=new_secret(), PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *sys.argv[1:]], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(args.nodes)]
     try:
