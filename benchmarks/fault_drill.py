@@ -254,7 +254,7 @@ def _restore(a: argparse.Namespace, rank: int, client: Any, note: Callable[..., 
             note("restore", step=loaded, param=digest(param), life=a.life, seconds=round(time.monotonic() - started, 3),
                  attempts=attempt + 1)
             return ckpt, param
-        except Exception as exc:  # DCP wraps what the daemon said in its CheckpointException
+        except Exception as exc:  # zen.checkpoint.CheckpointError (DCP's failure, every rank alike), or the daemon's
             why = f"{type(exc).__name__}: {str(exc)[:400]}"
             note("restore-error", life=a.life, attempt=attempt + 1, msg=why)
             param.zero_()  # a load that failed part-way may have written some of it
@@ -278,7 +278,7 @@ def _checkpoint(ckpt: Any, param: torch.Tensor, step: int, note: Callable[..., N
         note("held", step=step, complete=None, msg=str(exc)[:200])
     try:
         ckpt.save({"param": param}, step)  # waits for the save before (its failure is raised here)
-    except Exception as exc:  # DCP's CheckpointException, or the daemon's error
+    except Exception as exc:  # CheckpointError (this save's, or the one before it), or the daemon's error
         note("save-error", step=step, msg=f"{type(exc).__name__}: {str(exc)[:400]}")
 
 

@@ -108,6 +108,15 @@ def worker(args: argparse.Namespace) -> None:
     transport.close()
 
 
+def _line_starting(proc: subprocess.Popen[str], prefix: str) -> str:
+    """The worker's next line that starts with `prefix` (its other output, e.g. log lines, skipped)."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    while line and not line.startswith(prefix):
+        line = proc.stdout.readline()
+    return line
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)
@@ -129,25 +138,13 @@ def main() -> int:
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), *sys.argv[1:]], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(args.nodes)]
     try:
-        ports = []
-        for proc in procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            while line and not line.startswith("PORT "):
-                line = proc.stdout.readline()
-            ports.append(int(line.split()[1]))
+        ports = [int(_line_starting(proc, "PORT ").split()[1]) for proc in procs]
         peers = json.dumps({str(r): ["127.0.0.1", ports[r]] for r in range(args.nodes)})
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write(peers + "\n")
             proc.stdin.flush()
-        reports = []
-        for proc in procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            while line and not line.startswith("{"):
-                line = proc.stdout.readline()
-            reports.append(json.loads(line))
+        reports = [json.loads(_line_starting(proc, "{")) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -12,7 +12,6 @@ of the job must call allreduce for the same names in the same order of steps.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -284,8 +283,7 @@ class Client:
         for t, name in zip(tensors, names, strict=True):
             if not isinstance(t, torch.Tensor) or not t.is_sparse or t.sparse_dim() != 1:
                 raise InvalidGradient(f"tensor {name!r}: allreduce_many takes row-sparse COO tensors (sparse_dim 1)")
-        tables = [fusion.Table((t.dtype, t.device), math.prod(t.shape[1:]), t.element_size(), t.shape[0])
-                  for t in tensors]
+        tables = [fused_rows.table_of(t) for t in tensors]
         out: list[torch.Tensor | None] = [None] * len(tensors)
         # the bound read now, not at import: benchmarks/many_tensors.py sets it to compare
         for batch in fusion.batches(tables, MAX_FUSED_ROWS, fusion.MIN_SHARED_ROW_BYTES):

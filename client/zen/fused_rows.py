@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zen.fusion import Batch
+from zen.fusion import Batch, Table
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,11 @@ class Packed:
     num_rows: int
     offsets: tuple[int, ...]  # table j's rows start at offsets[j]; offsets[-1] == num_rows
     cuts: tuple[int, ...]  # table j's rows are cut into cuts[j] rows each
+
+
+def table_of(t: torch.Tensor) -> Table:
+    """What fusion plans a row-sparse tensor by: its kind (dtype, device), row size, item size and rows."""
+    return Table((t.dtype, t.device), math.prod(t.shape[1:]), t.element_size(), t.shape[0])
 
 
 def pack(tensors: Sequence[torch.Tensor], names: Sequence[str], batch: Batch) -> Packed:

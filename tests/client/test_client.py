@@ -152,6 +152,18 @@ def test_all_tensor_kinds_over_threads_on_one_node(fresh_cluster):
     assert results[0] == results[1]
 
 
+def fused_and_one_by_one(cluster, job: str, tensors, names: list[str]) -> list:  # type: ignore[no-untyped-def]
+    """On each of the 2 nodes, one trainer: `tensors(node)` through allreduce_many, then each alone;
+    per node (fused, one by one, last_stats of each name), or the exception it raised."""
+    def trainer(node: int):  # type: ignore[no-untyped-def]
+        with zen.Client(cluster.socket_dir(node), job=job, token=cluster.token(job)) as client:
+            fused = client.allreduce_many(tensors(node), names=names)
+            one_by_one = [client.allreduce(t, name=f"single-{n}") for t, n in zip(tensors(node), names, strict=True)]
+            return fused, one_by_one, [client.last_stats(n) for n in names]
+
+    return run_all([lambda n=n: trainer(n) for n in range(2)])
+
+
 @pytest.mark.daemon
 def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
     """Tensor fusion: tensors of one kind in one step, split back; the same as one step each."""
@@ -169,13 +181,7 @@ def test_allreduce_many_fuses_tensors_and_gives_each_its_own_sum(cluster2):
 
     names = ["a", "b", "c", "d", "e"]
 
-    def trainer(node: int):  # type: ignore[no-untyped-def]
-        with zen.Client(cluster2.socket_dir(node), job="fused", token=cluster2.token("fused")) as client:
-            fused = client.allreduce_many(tensors(node), names=names)
-            one_by_one = [client.allreduce(t, name=f"single-{n}") for t, n in zip(tensors(node), names, strict=True)]
-            return fused, one_by_one, [client.last_stats(n) for n in names]
-
-    results = run_all([lambda n=n: trainer(n) for n in range(2)])
+    results = fused_and_one_by_one(cluster2, "fused", tensors, names)
     assert all(not isinstance(r, BaseException) for r in results), results
     expected = [sum(tensors(n)[i].to_dense().float() for n in range(2)) for i in range(len(names))]
     for fused, one_by_one, stats in results:
@@ -210,13 +216,7 @@ def test_allreduce_many_sends_tables_of_different_widths_in_one_step_with_the_sa
 
     names = ["wide", "narrow", "shaped", "odd", "empty", "wide2"]
 
-    def trainer(node: int):  # type: ignore[no-untyped-def]
-        with zen.Client(cluster2.socket_dir(node), job="widths", token=cluster2.token("widths")) as client:
-            fused = client.allreduce_many(tensors(node), names=names)
-            one_by_one = [client.allreduce(t, name=f"single-{n}") for t, n in zip(tensors(node), names, strict=True)]
-            return fused, one_by_one, [client.last_stats(n) for n in names]
-
-    results = run_all([lambda n=n: trainer(n) for n in range(2)])
+    results = fused_and_one_by_one(cluster2, "widths", tensors, names)
     assert all(not isinstance(r, BaseException) for r in results), results
     for fused, one_by_one, stats in results:
         shared = [s for i, s in enumerate(stats) if names[i] != "odd"]

@@ -9,7 +9,6 @@ or all get the same error; nothing is left in a live node's mailboxes or step ta
 from __future__ import annotations
 
 import gc
-import math
 import random
 import threading
 import time
@@ -19,8 +18,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from zen.fused_rows import pack, unpack
-from zen.fusion import Table, batches
+from zen.fused_rows import pack, table_of, unpack
+from zen.fusion import batches
 
 from tests.core.helpers import assert_close_to, reference_sum
 from tests.daemon.test_node_steps import JOB, Node, grad_of
@@ -170,8 +169,7 @@ def test_under_random_faults_an_iteration_fused_into_one_step_reaches_every_trai
     tables of an iteration delivered and others not."""
     names = ["emb", "pos", "head"]
     tables = iteration_of(0)
-    plan = batches([Table((t.dtype, t.device), math.prod(t.shape[1:]), t.element_size(), t.shape[0])
-                    for t in tables], 2**31)
+    plan = batches([table_of(t) for t in tables], 2**31)
     assert [b.members for b in plan] == [(0, 1, 2)], plan  # one step for the iteration
     packed = [pack(iteration_of(i), names, plan[0]) for i in range(NODES * TRAINERS)]
     spec = TensorSpec(JOB, packed[0].name, (packed[0].num_rows, plan[0].width), "float32", "sparse_rows", False)
